@@ -1,0 +1,543 @@
+"""KV-cache strategies: one small class per strategy whose only job is to score cache slots.
+
+Every cache holds fixed-size buffers of `max_cache_length` slots. The base class owns the shared
+mechanics -- filling empty slots first, never evicting global or recent tokens, overwriting the
+lowest-scored slot, prompt compression at prefill, quantized storage and statistics -- so that a
+strategy is a `score()` method plus whatever state that score needs. Shapes never change after
+construction and the decode path has no data-dependent Python control flow, so it compiles.
+"""
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import yaml
+from torch import Tensor
+
+from prompt_compression import get_prompt_compressor, prompt_compressor_is_head_specific
+from quantization_utils import SUPPORTED_BITS, dequantize, packed_dim, quantize
+
+CACHE_CONFIG_DIR = Path(__file__).resolve().parent / "cache_configs"
+PATTERNS = ("tile", "repeat", "pyramid", "funnel")
+# Query rows per chunk when prefill needs attention probabilities: bounds memory at
+# PREFILL_CHUNK_ELEMENTS floats instead of heads x seq x seq.
+PREFILL_CHUNK_ELEMENTS = 1 << 24
+
+
+class KVCache(nn.Module):
+    """Base cache: the eviction mechanics. Subclasses override `score` (higher = keep)."""
+
+    relevant_kwargs = ["max_cache_length", "global_tokens", "recent_window", "cache_bits"]
+    head_specific = False
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        n_heads: int,
+        head_dim: int,
+        max_cache_length: int,
+        dtype: torch.dtype = torch.bfloat16,
+        global_tokens: int = 1,
+        recent_window: float = 10,
+        cache_bits: int | None = None,
+        prompt_compressor=None,
+        **kwargs,
+    ):
+        super().__init__()
+        self.max_cache_length = max_cache_length
+        self.global_tokens = global_tokens
+        self.recent_window = resolve_recent_window(recent_window, max_cache_length, global_tokens)
+        self.cache_bits = cache_bits
+        self.dtype = dtype
+        self.prompt_compressor = prompt_compressor
+        shape = (max_batch_size, n_heads, max_cache_length)
+        if cache_bits is None:
+            self.register_buffer("k_cache", torch.zeros(*shape, head_dim, dtype=dtype))
+            self.register_buffer("v_cache", torch.zeros(*shape, head_dim, dtype=dtype))
+        else:
+            for name in ("k", "v"):
+                packed = torch.zeros(*shape, packed_dim(head_dim, cache_bits), dtype=torch.uint8)
+                self.register_buffer(f"{name}_packed", packed)
+                self.register_buffer(f"{name}_scale", torch.zeros(*shape, 1, dtype=dtype))
+                self.register_buffer(f"{name}_zero", torch.zeros(*shape, 1, dtype=dtype))
+        self.register_buffer("pos", torch.full(shape, -1, dtype=torch.int))
+
+    # -- what a strategy may override -------------------------------------------------------
+    def score(self, input_pos: Tensor) -> Tensor:
+        """Importance of each slot, [B, H or 1, L]; the lowest evictable slot is overwritten."""
+        return self.pos.float()
+
+    def return_attn(self) -> bool:
+        return False
+
+    def prefill_state(self, input_pos: Tensor, k: Tensor, query: Tensor) -> dict[str, Tensor]:
+        """Per-prompt-token state [B, H, T] the strategy scores with, computed before compression."""
+        return {}
+
+    def insert_state(self, slots: Tensor, k: Tensor, state: dict[str, Tensor]) -> None:
+        """Records the state of newly inserted slots [B, H, n]; `state` is empty during decode."""
+
+    def update_state(self, input_pos: Tensor, k: Tensor, v: Tensor, is_prefill: bool, attn: Tensor) -> None:
+        """Records attention [B, H, G, T, L] after a decode step (only called when return_attn())."""
+
+    def reset_state(self) -> None:
+        """Clears strategy state between examples."""
+
+    # -- the shared mechanics ---------------------------------------------------------------
+    def reset(self) -> None:
+        self.pos.fill_(-1)
+        self.reset_state()
+
+    def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor, is_prefill: bool = False, query=None):
+        """Inserts k/v [B, H, T, D]; returns the keys, values and slot mask attention must use."""
+        if is_prefill:
+            self.prefill(input_pos, k, v, query)
+        else:
+            slots = self.eviction_slots(input_pos)
+            self.write(slots, input_pos.view(1, 1, 1).expand_as(slots), k, v)
+            self.insert_state(slots, k, {})
+        keys, values = self.read()
+        return keys, values, self.pos >= 0
+
+    def eviction_slots(self, input_pos: Tensor) -> Tensor:
+        """Slot [B, H, 1] for the next token: an empty one if any, else the least important evictable."""
+        score = self.score(input_pos).expand_as(self.pos)
+        protected = (self.pos < self.global_tokens) | (self.pos > input_pos - self.recent_window - 1)
+        score = torch.where(protected, math.inf, score)
+        score = torch.where(self.pos < 0, -math.inf, score)
+        return score.argmin(dim=-1, keepdim=True)
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> None:
+        """Fills the cache from the prompt, asking the prompt compressor when the prompt does not fit."""
+        bsz, n_heads, seqlen, _ = k.shape
+        state = self.prefill_state(input_pos, k, query)
+        if seqlen <= self.max_cache_length:
+            keep = torch.arange(seqlen, device=k.device).expand(bsz, n_heads, seqlen)
+        else:
+            keep = self.prompt_compressor(input_pos, k, v, query, self.max_cache_length)
+            keep = keep.expand(bsz, n_heads, -1)
+        slots = torch.arange(keep.shape[-1], device=k.device).expand_as(keep)
+        gather = keep.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
+        self.write(slots, input_pos[keep], k.gather(2, gather), v.gather(2, gather))
+        self.insert_state(slots, k.gather(2, gather), {name: s.gather(2, keep) for name, s in state.items()})
+
+    def write(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Stores k/v [B, H, n, D] into slots [B, H, n], quantizing when the cache is low-bit."""
+        self.pos.scatter_(2, slots, positions.to(self.pos.dtype))
+        index = slots.unsqueeze(-1)
+        if self.cache_bits is None:
+            self.k_cache.scatter_(2, index.expand_as(k), k.to(self.dtype))
+            self.v_cache.scatter_(2, index.expand_as(v), v.to(self.dtype))
+            return
+        for name, x in (("k", k), ("v", v)):
+            packed, scale, zero = quantize(x, self.cache_bits)
+            getattr(self, f"{name}_packed").scatter_(2, index.expand_as(packed), packed)
+            getattr(self, f"{name}_scale").scatter_(2, index, scale.to(self.dtype))
+            getattr(self, f"{name}_zero").scatter_(2, index, zero.to(self.dtype))
+
+    def read(self) -> tuple[Tensor, Tensor]:
+        if self.cache_bits is None:
+            return self.k_cache, self.v_cache
+        return tuple(
+            dequantize(
+                getattr(self, f"{n}_packed"),
+                getattr(self, f"{n}_scale"),
+                getattr(self, f"{n}_zero"),
+                self.cache_bits,
+                self.dtype,
+            )
+            for n in ("k", "v")
+        )
+
+    def compute_statistics(self, seq_len: int) -> dict:
+        """SPEC section 7: compression ratio over the n = seq_len tokens that passed through, and bytes."""
+        kept = (self.pos >= 0).sum(-1).float().mean().item()
+        if self.cache_bits is not None:
+            kept *= self.cache_bits / 16
+        return {
+            "compression_ratio": (seq_len - kept) / seq_len,
+            "cache_memory_bytes": sum(b.numel() * b.element_size() for b in self.buffers()),
+        }
+
+
+class FullCache(KVCache):
+    """Keeps everything; its length is the whole sequence, so nothing is ever evicted."""
+
+    relevant_kwargs = ["cache_bits"]
+
+
+class RecentGlobalCache(KVCache):
+    """StreamingLLM: attention sinks plus a sliding window; the oldest non-global token goes first."""
+
+    relevant_kwargs = ["max_cache_length", "global_tokens", "cache_bits"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "recent_window": 0})
+
+
+class RandomCache(KVCache):
+    """Evicts a uniformly random unprotected token: the baseline any scoring must beat."""
+
+    def score(self, input_pos):
+        return torch.rand(self.pos.shape[0], 1, self.pos.shape[2], device=self.pos.device)
+
+
+class KeepItOddCache(KVCache):
+    """Toy example to copy when adding a strategy: even positions are evicted before odd ones."""
+
+    def score(self, input_pos):
+        return (self.pos % 2).float()
+
+
+class L2Cache(KVCache):
+    """Keeps the keys with the lowest L2 norm, per head (low-norm keys draw the most attention)."""
+
+    head_specific = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("key_norm", torch.zeros(self.pos.shape, dtype=torch.float32))
+
+    def score(self, input_pos):
+        return -self.key_norm
+
+    def prefill_state(self, input_pos, k, query):
+        return {"key_norm": k.float().norm(dim=-1)}
+
+    def insert_state(self, slots, k, state):
+        norm = state.get("key_norm", k.float().norm(dim=-1))
+        self.key_norm.scatter_(2, slots, norm)
+
+    def reset_state(self):
+        self.key_norm.zero_()
+
+
+class HeavyHitterCache(KVCache):
+    """H2O / Scissorhands: keeps the tokens that received the most attention, per head.
+
+    History is a ring of `history_window_size` steps per slot (one accumulating step when the
+    window is 1); the score is the mean over the steps recorded since the slot was filled.
+    """
+
+    relevant_kwargs = KVCache.relevant_kwargs + ["history_window_size", "attn_thresholding", "attn_top_k"]
+    head_specific = True
+
+    def __init__(self, *args, history_window_size=1, attn_thresholding=False, attn_top_k=1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.history_window_size = history_window_size
+        self.attn_thresholding = attn_thresholding
+        self.attn_top_k = attn_top_k
+        self.register_buffer("attn_history", torch.zeros(*self.pos.shape, history_window_size))
+        self.register_buffer("attn_counter", torch.zeros(self.pos.shape))
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def return_attn(self):
+        return True
+
+    def score(self, input_pos):
+        return self.attn_history.sum(-1) / self.attn_counter.clamp(min=1)
+
+    def prefill_state(self, input_pos, k, query):
+        return {"attn": prefill_attention_received(query, k, self.attn_thresholding)}
+
+    def insert_state(self, slots, k, state):
+        n = slots.shape[-1]
+        first = torch.zeros(*slots.shape, self.history_window_size, device=slots.device)
+        if "attn" in state:
+            first[..., 0] = state["attn"]
+        self.attn_history.scatter_(2, slots.unsqueeze(-1).expand_as(first), first)
+        self.attn_counter.scatter_(2, slots, torch.full_like(slots, int("attn" in state), dtype=torch.float))
+        if "attn" in state:
+            self.step.fill_(1 if n else 0)
+
+    def update_state(self, input_pos, k, v, is_prefill, attn):
+        attn = attn.mean(dim=2)[:, :, -1].float()  # average the query heads sharing a KV head
+        filled = (self.pos >= 0).float()
+        if self.attn_thresholding:
+            attn = (attn >= 1.0 / filled.sum(-1, keepdim=True)).float()
+        elif self.attn_top_k < 1.0:
+            attn = keep_top_fraction(attn, self.attn_top_k, filled)
+        attn = attn * filled
+        if self.history_window_size == 1:
+            self.attn_history[..., 0] += attn
+            self.attn_counter.add_(filled)
+        else:
+            column = (self.step % self.history_window_size).view(1, 1, 1, 1).expand(*attn.shape, 1)
+            self.attn_history.scatter_(3, column, attn.unsqueeze(-1))
+            self.attn_counter.copy_(torch.clamp(self.attn_counter + filled, max=self.history_window_size))
+        self.step.add_(1)
+
+    def reset_state(self):
+        self.attn_history.zero_()
+        self.attn_counter.zero_()
+        self.step.zero_()
+
+
+def keep_top_fraction(attn: Tensor, fraction: float, filled: Tensor) -> Tensor:
+    """Zeroes all but the top `fraction` of each head's attention weights over filled slots."""
+    k = max(1, int(math.ceil(fraction * attn.shape[-1])))
+    threshold = attn.masked_fill(filled == 0, -1.0).topk(k, dim=-1).values[..., -1:]
+    return torch.where(attn >= threshold, attn, torch.zeros_like(attn))
+
+
+def prefill_attention_received(query: Tensor, k: Tensor, thresholding: bool = False) -> Tensor:
+    """Mean attention each prompt key receives from the queries that can see it, [B, H_kv, T].
+
+    Computed in query chunks so memory stays bounded instead of heads x T x T. With
+    `thresholding`, counts whether each query gave the key at least uniform attention.
+    """
+    bsz, n_head, seqlen, head_dim = query.shape
+    n_kv = k.shape[1]
+    group = n_head // n_kv
+    q = query.view(bsz, n_kv, group, seqlen, head_dim)
+    received = torch.zeros(bsz, n_kv, seqlen, device=k.device)
+    chunk = max(1, PREFILL_CHUNK_ELEMENTS // (n_head * seqlen))
+    key_pos = torch.arange(seqlen, device=k.device)
+    for start in range(0, seqlen, chunk):
+        rows = key_pos[start : start + chunk]
+        scores = q[:, :, :, rows].float() @ k.float().unsqueeze(2).transpose(-1, -2) / math.sqrt(head_dim)
+        visible = key_pos.view(1, -1) <= rows.view(-1, 1)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        if thresholding:
+            probs = (probs >= 1.0 / (rows + 1).view(-1, 1).float()).float() * visible
+        received += probs.mean(dim=2).sum(dim=2)
+    return received / (seqlen - key_pos).float()
+
+
+CACHE_STRATEGIES: dict[str, type[KVCache]] = {
+    "full": FullCache,
+    "recent_global": RecentGlobalCache,
+    "random": RandomCache,
+    "l2": L2Cache,
+    "heavy_hitter": HeavyHitterCache,
+    "keep_it_odd": KeepItOddCache,
+}
+
+
+def resolve_recent_window(recent_window: float, cache_length: int, global_tokens: int) -> int:
+    """A window below 1 is a fraction of the cache; it never covers every evictable slot."""
+    window = int(recent_window * cache_length) if recent_window < 1 else int(recent_window)
+    return max(0, min(window, cache_length - global_tokens - 1))
+
+
+def get_cache_constructor(name: str) -> type[KVCache]:
+    if name not in CACHE_STRATEGIES:
+        raise ValueError(f"unknown cache strategy '{name}'; choose from: {', '.join(CACHE_STRATEGIES)}")
+    return CACHE_STRATEGIES[name]
+
+
+# -- the cache_args argument group ------------------------------------------------------------
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("cache_args")
+    group.add_argument("--max_cache_length", type=float, nargs="+", default=[1.0],
+                       help="per-layer cache size: (0, 1] = fraction of prompt + max_new_tokens, > 1 = tokens")  # fmt: skip
+    group.add_argument("--cache_length_pattern", default="tile", choices=PATTERNS)
+    group.add_argument("--cache_strategy", nargs="+", default=["full"])
+    group.add_argument("--cache_strategy_pattern", default="tile", choices=("tile", "repeat"))
+    group.add_argument("--prompt_compression_strategy", nargs="+", default=["recent_global"])
+    group.add_argument("--feed_long_prompts", action="store_true", help="feed the prompt tail one token at a time")
+    group.add_argument("--global_tokens", type=int, default=1)
+    group.add_argument("--recent_window", type=float, default=10, help="< 1 = fraction of the cache length")
+    group.add_argument("--history_window_size", type=int, default=1)
+    group.add_argument("--attn_thresholding", action="store_true")
+    group.add_argument("--attn_top_k", type=float, default=1.0,
+                       help="heavy_hitter: record only the top fraction of attention weights")  # fmt: skip
+    group.add_argument("--min_recovery_frac", type=float, default=0.9)
+    group.add_argument("--cache_bits", type=int, default=None)
+    group.add_argument("--cache_config", default=None, help="YAML preset in cache_configs/ (name or path)")
+
+
+def cache_argument_names() -> list[str]:
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    return [a.dest for a in parser._actions if a.dest != "help"]
+
+
+CACHE_ARGUMENT_NAMES = cache_argument_names() + ["hybrid_strategies"]
+
+
+def default_cache_kwargs(**overrides) -> dict:
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    kwargs = vars(parser.parse_args([]))
+    unknown = set(overrides) - set(kwargs)
+    if unknown:
+        raise ValueError(f"not cache arguments: {', '.join(sorted(unknown))}")
+    return {**kwargs, **overrides}
+
+
+def load_cache_config(name: str) -> dict:
+    """Reads a YAML preset: a bare name comes from cache_configs/, a path (with a slash) from anywhere."""
+    if "/" in name or name.endswith((".yaml", ".yml")) and Path(name).is_file():
+        path = Path(name)
+    else:
+        path = (CACHE_CONFIG_DIR / name).with_suffix(".yaml") if not name.endswith(".yaml") else CACHE_CONFIG_DIR / name
+        if CACHE_CONFIG_DIR.resolve() not in path.resolve().parents:
+            raise ValueError(f"cache config '{name}' is outside {CACHE_CONFIG_DIR}; pass a path instead")
+    if not path.is_file():
+        choices = ", ".join(sorted(p.stem for p in CACHE_CONFIG_DIR.glob("*.yaml")))
+        raise ValueError(f"cache config '{name}' not found; choose from: {choices}, or give a path to a YAML file")
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"cache config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"cache config {path} must be a mapping of cache arguments")
+    allowed = set(cache_argument_names()) | {"hybrid_strategies"}
+    unknown = sorted(set(config) - allowed)
+    if unknown:
+        raise ValueError(
+            f"cache config {path}: '{unknown[0]}' is not a cache argument; allowed: {', '.join(sorted(allowed))}"
+        )
+    for key in ("max_cache_length", "cache_strategy", "prompt_compression_strategy"):
+        if key in config and not isinstance(config[key], list):
+            config[key] = [config[key]]
+    return config
+
+
+def parse_args_with_cache_config(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Command-line flags beat the preset, the preset beats the defaults."""
+    args, _ = parser.parse_known_args(argv)
+    if args.cache_config:
+        try:
+            config = load_cache_config(args.cache_config)
+        except ValueError as e:
+            parser.exit(2, f"error: {e}\n")
+        parser.set_defaults(**config)
+        args = parser.parse_args(argv)
+        for key, value in config.items():
+            if not hasattr(args, key):
+                setattr(args, key, value)
+        return args
+    return parser.parse_args(argv)
+
+
+# -- per-layer layout -------------------------------------------------------------------------
+def spread_over_layers(values: list, n_layer: int, pattern: str, name: str) -> list:
+    """`tile`: the first layers take the first value ...; `repeat`: values alternate layer by layer."""
+    if n_layer % len(values):
+        raise ValueError(f"{len(values)} values of --{name} do not divide the {n_layer} layers; give 1 or a divisor")
+    if pattern == "repeat":
+        return [values[i % len(values)] for i in range(n_layer)]
+    per = n_layer // len(values)
+    return [values[i // per] for i in range(n_layer)]
+
+
+def layer_cache_lengths(cache_kwargs: dict, n_layer: int, prompt_length: int, max_new_tokens: int) -> list[int]:
+    """Absolute cache length per layer: rounded up to a multiple of 8, at most the sequence length."""
+    seq_len = prompt_length + max_new_tokens
+    values, pattern = cache_kwargs["max_cache_length"], cache_kwargs["cache_length_pattern"]
+    tokens = [v * seq_len if v <= 1 else v for v in values]
+    if pattern in ("pyramid", "funnel"):
+        if len(tokens) != 1:
+            raise ValueError(f"--cache_length_pattern {pattern} takes one (average) --max_cache_length")
+        # Linear from 1.5x the average in the first layer to 0.5x in the last (reversed for funnel).
+        slope = [1.5 - i / (n_layer - 1) if n_layer > 1 else 1.0 for i in range(n_layer)]
+        tokens = [tokens[0] * s for s in (slope if pattern == "pyramid" else slope[::-1])]
+    else:
+        tokens = spread_over_layers(tokens, n_layer, pattern, "max_cache_length")
+    return [min(seq_len, 8 * math.ceil(t / 8)) for t in tokens]
+
+
+def layer_strategies(cache_kwargs: dict, n_layer: int) -> list[tuple[str, str]]:
+    """(cache strategy, prompt compressor) per layer."""
+    strategies = cache_kwargs["cache_strategy"]
+    compressors = cache_kwargs["prompt_compression_strategy"]
+    if len(compressors) == 1:
+        compressors = compressors * len(strategies)
+    pairs = list(zip(strategies, compressors))
+    return spread_over_layers(pairs, n_layer, cache_kwargs["cache_strategy_pattern"], "cache_strategy")
+
+
+def check_compatibility(cache_kwargs: dict, n_layer: int | None = None) -> None:
+    """Raises ValueError with a one-line reason for any combination that cannot work (SPEC section 4)."""
+    strategies = cache_kwargs["cache_strategy"]
+    compressors = cache_kwargs["prompt_compression_strategy"]
+    for name in strategies:
+        get_cache_constructor(name)
+    for name in compressors:
+        get_prompt_compressor(name)
+    if len(compressors) not in (1, len(strategies)):
+        raise ValueError(f"give one --prompt_compression_strategy or one per cache strategy ({len(strategies)})")
+    if cache_kwargs["cache_bits"] is not None and cache_kwargs["cache_bits"] not in SUPPORTED_BITS:
+        raise ValueError(f"--cache_bits {cache_kwargs['cache_bits']} is not supported; choose from {SUPPORTED_BITS}")
+    lengths = cache_kwargs["max_cache_length"]
+    if any(v <= 0 for v in lengths):
+        raise ValueError("--max_cache_length values must be positive")
+    if n_layer is not None:
+        spread_over_layers(strategies, n_layer, cache_kwargs["cache_strategy_pattern"], "cache_strategy")
+        if cache_kwargs["cache_length_pattern"] in ("pyramid", "funnel"):
+            if len(lengths) != 1:
+                raise ValueError(f"--cache_length_pattern {cache_kwargs['cache_length_pattern']} takes one length")
+        else:
+            spread_over_layers(lengths, n_layer, cache_kwargs["cache_length_pattern"], "max_cache_length")
+    for name in strategies:
+        if name == "full" and any(v < 1.0 for v in lengths):
+            raise ValueError("the full cache keeps every token; use --max_cache_length 1.0 or a compressing strategy")
+    absolute = [v for v in lengths if v > 1]
+    if absolute and cache_kwargs["global_tokens"] > min(absolute):
+        raise ValueError(
+            f"--global_tokens {cache_kwargs['global_tokens']} exceeds a cache of {int(min(absolute))} slots"
+        )
+    pairs = list(zip(strategies, compressors * len(strategies) if len(compressors) == 1 else compressors))
+    for cache_name, compressor_name in pairs:
+        if prompt_compressor_is_head_specific(compressor_name) and not CACHE_STRATEGIES[cache_name].head_specific:
+            raise ValueError(
+                f"prompt compressor '{compressor_name}' keeps different tokens per head but cache '{cache_name}' "
+                "keeps the same tokens for all heads; pick a head-constant compressor (recent_global, random, keep_it_odd)"
+            )
+
+
+def create_caches(
+    cache_kwargs: dict,
+    n_layer: int,
+    n_heads: int,
+    head_dim: int,
+    prompt_length: int,
+    max_new_tokens: int,
+    device,
+    dtype: torch.dtype,
+    max_batch_size: int = 1,
+) -> list[KVCache]:
+    """One cache per layer, sized and typed by the per-layer patterns."""
+    lengths = layer_cache_lengths(cache_kwargs, n_layer, prompt_length, max_new_tokens)
+    caches = []
+    for length, (strategy, compressor) in zip(lengths, layer_strategies(cache_kwargs, n_layer)):
+        if length < cache_kwargs["global_tokens"]:
+            raise ValueError(f"--global_tokens {cache_kwargs['global_tokens']} exceeds a cache of {length} slots")
+        kwargs = {k: v for k, v in cache_kwargs.items() if k in CACHE_ARGUMENT_NAMES and k != "max_cache_length"}
+        kwargs["prompt_compressor"] = get_prompt_compressor(compressor)(
+            global_tokens=cache_kwargs["global_tokens"],
+            recent_window=resolve_recent_window(cache_kwargs["recent_window"], length, cache_kwargs["global_tokens"]),
+        )
+        cache = get_cache_constructor(strategy)(max_batch_size, n_heads, head_dim, length, dtype, **kwargs)
+        caches.append(cache.to(device))
+    return caches
+
+
+def cache_statistics(caches: list[KVCache], seq_len: int) -> dict:
+    """Averaged and per-layer statistics (SPEC section 7)."""
+    per_layer = [c.compute_statistics(seq_len) for c in caches]
+    stats = {
+        "compression_ratio": sum(s["compression_ratio"] for s in per_layer) / len(per_layer),
+        "cache_memory_bytes": sum(s["cache_memory_bytes"] for s in per_layer),
+    }
+    for key in per_layer[0]:
+        stats[f"{key}_per_layer"] = [s[key] for s in per_layer]
+    return stats
+
+
+def relevant_kwargs(cache_kwargs: dict) -> dict:
+    """The hyper-parameters the chosen strategies actually read (names result folders)."""
+    names = ["cache_strategy", "prompt_compression_strategy"]
+    for strategy in cache_kwargs["cache_strategy"]:
+        names += CACHE_STRATEGIES[strategy].relevant_kwargs
+    if len(cache_kwargs["max_cache_length"]) > 1 or cache_kwargs["cache_length_pattern"] in ("pyramid", "funnel"):
+        names.append("cache_length_pattern")
+    if len(cache_kwargs["cache_strategy"]) > 1:
+        names.append("cache_strategy_pattern")
+    if cache_kwargs.get("feed_long_prompts"):
+        names.append("feed_long_prompts")
+    return {n: cache_kwargs[n] for n in dict.fromkeys(names)}

@@ -1,0 +1,157 @@
+"""Generate text for one prompt with a chosen KV-cache strategy; report speed, memory and cache statistics.
+
+    python generate.py --prompt "What is a cold compress?"
+    python generate.py --prompt long_niah.txt --cache_strategy heavy_hitter --max_cache_length 0.25 \
+        --prompt_compression_strategy heavy_hitter
+"""
+
+import argparse
+import csv
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cache import add_cache_arguments, check_compatibility, parse_args_with_cache_config
+from generation import (
+    DEFAULT_CHECKPOINT,
+    STEPS,
+    CheckpointError,
+    checkpoint_config,
+    compile_steps,
+    generate,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+from tokenizer import get_tokenizer
+
+PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--prompt", default="What is a cold compress?", help="a prompt string, or NAME.txt from prompts/"
+    )
+    parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="converted checkpoint folder")
+    parser.add_argument("--max_new_tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    parser.add_argument("--no_chat_template", action="store_true", help="feed the prompt as raw text")
+    parser.add_argument("--compile", action="store_true", help="torch.compile prefill and decode")
+    parser.add_argument("--csv", type=Path, default=None, help="append one row of statistics and arguments")
+    add_cache_arguments(parser)
+    return parser
+
+
+def read_prompt(prompt: str) -> str:
+    if prompt.endswith(".txt") and "\n" not in prompt:
+        path = Path(prompt) if Path(prompt).is_file() else PROMPT_DIR / prompt
+        if not path.is_file():
+            names = ", ".join(sorted(p.name for p in PROMPT_DIR.glob("*.txt")))
+            raise ValueError(f"prompt file '{prompt}' not found in {PROMPT_DIR}; choose from: {names}")
+        prompt = path.read_text()
+    if not prompt.strip():
+        raise ValueError("the prompt is empty; pass --prompt TEXT or --prompt NAME.txt")
+    return prompt
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """GPU allocator peak on CUDA, process peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def print_statistics(stats: dict) -> None:
+    print(f"\nprefill: {stats['prompt_tokens']} tokens, {stats['prefill_tokens_per_s']:.1f} tokens/s")
+    print(f"decode: {stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tokens/s")
+    print(f"total time: {stats['total_time']:.2f} s, peak memory: {stats['peak_memory_bytes'] / 2**20:.1f} MiB")
+    print(
+        f"compression ratio: {stats['compression_ratio']:.4f}, cache memory: {stats['cache_memory_bytes'] / 2**20:.2f} MiB"
+    )
+    ratios = " ".join(f"{r:.3f}" for r in stats["compression_ratio_per_layer"])
+    print(f"compression ratio per layer: {ratios}")
+    memory = " ".join(f"{m / 2**10:.0f}" for m in stats["cache_memory_bytes_per_layer"])
+    print(f"cache memory per layer (KiB): {memory}")
+
+
+def append_csv(path: Path, stats: dict, args: argparse.Namespace) -> None:
+    row = {k: json.dumps(v) if isinstance(v, list) else v for k, v in {**stats, **vars(args)}.items()}
+    row = {k: str(v) if isinstance(v, Path) else v for k, v in row.items()}
+    exists = path.is_file() and path.stat().st_size > 0
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        if not exists:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
+    args = parse_args_with_cache_config(parser, argv)
+    try:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype)
+        if args.max_new_tokens < 1:
+            raise ValueError("--max_new_tokens must be at least 1")
+        prompt = read_prompt(args.prompt)
+        config = checkpoint_config(args.checkpoint_path)
+        cache_kwargs = {k: v for k, v in vars(args).items()}
+        check_compatibility(cache_kwargs, config.n_layer)
+        tokenizer = get_tokenizer(args.checkpoint_path)
+        text = prompt if args.no_chat_template or not tokenizer.is_chat else tokenizer.apply_chat_template(prompt)
+        prompt_ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        if prompt_ids.numel() + args.max_new_tokens > config.block_size:
+            raise ValueError(
+                f"prompt of {prompt_ids.numel()} tokens + {args.max_new_tokens} new tokens exceeds the model's "
+                f"context of {config.block_size}; shorten the prompt or lower --max_new_tokens"
+            )
+        model = load_model(args.checkpoint_path, device, dtype)
+    except (ValueError, CheckpointError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+
+    torch.manual_seed(args.seed)
+    steps = compile_steps(STEPS) if args.compile else STEPS
+    streamed = []
+
+    def stream(token: int) -> None:
+        """Prints the text decoded so far, minus what was already printed (multi-byte safe)."""
+        streamed.append(token)
+        if token not in tokenizer.terminator_ids:
+            text_so_far = tokenizer.decode([t for t in streamed if t not in tokenizer.terminator_ids])
+            print(text_so_far[stream.printed :], end="", flush=True)
+            stream.printed = len(text_so_far)
+
+    stream.printed = 0
+    start = time.perf_counter()
+    _, stats = generate(
+        model,
+        prompt_ids,
+        args.max_new_tokens,
+        cache_kwargs,
+        terminator_ids=tokenizer.terminator_ids,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        callback=stream,
+        steps=steps,
+    )
+    stats["total_time"] = time.perf_counter() - start
+    stats["peak_memory_bytes"] = peak_memory_bytes(device)
+    print()
+    print_statistics(stats)
+    if args.csv:
+        append_csv(args.csv, stats, args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

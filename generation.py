@@ -1,0 +1,200 @@
+"""Prefill-then-decode loop, cache setup and compile: shared by generate.py, eval.py and benchmark.py."""
+
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from cache import cache_statistics, create_caches
+from model import ModelArgs, Transformer
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct"
+PREPARE_HINT = {"SmolLM2-135M-Instruct": "bash scripts/prepare_smollm2.sh (or: make demo)"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class CheckpointError(ValueError):
+    """A missing or unreadable checkpoint: a user mistake, reported in one line."""
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device '{name}'; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device '{name}' is not available on this machine; use --device cpu")
+    if device.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise ValueError(f"unsupported device '{name}'; use cpu or cuda")
+    return device
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype '{name}'; choose from: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def checkpoint_config(checkpoint_dir: Path) -> ModelArgs:
+    """The model config of a checkpoint folder, read without touching the weights."""
+    checkpoint_dir = Path(checkpoint_dir)
+    weights = checkpoint_dir / "model.pth"
+    if not weights.is_file():
+        hint = PREPARE_HINT.get(checkpoint_dir.name, "python scripts/download.py --repo_id ORG/NAME")
+        raise CheckpointError(f"checkpoint {weights} not found; prepare it with: {hint}")
+    return ModelArgs.from_checkpoint_dir(checkpoint_dir)
+
+
+def load_model(checkpoint_dir: Path, device, dtype: torch.dtype) -> Transformer:
+    config = checkpoint_config(checkpoint_dir)
+    weights = Path(checkpoint_dir) / "model.pth"
+    try:
+        state_dict = torch.load(weights, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises several types for a truncated or foreign file
+        raise CheckpointError(
+            f"checkpoint {weights} is corrupt or truncated ({type(e).__name__}); prepare it again"
+        ) from None
+    with torch.device("meta"):
+        model = Transformer(config)
+    try:
+        model.load_state_dict(state_dict, assign=True, strict=not config.tie_embeddings)
+    except RuntimeError as e:
+        raise CheckpointError(
+            f"checkpoint {weights} does not match its config: {str(e).splitlines()[1].strip()}"
+        ) from None
+    if config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
+    """Next token from the last position's logits [B, vocab]: greedy at temperature 0."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[..., -1:]
+        logits = torch.where(logits < kth, -float("inf"), logits)
+    probs = torch.softmax(logits, dim=-1)
+    # Exponential race instead of multinomial: no host sync.
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1, keepdim=True)
+
+
+def prefill(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor:
+    """Logits [B, vocab] of the last prompt position."""
+    return model(x, input_pos, is_prefill=True)[:, -1]
+
+
+def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor:
+    """Logits [B, vocab] for one token x [B, 1] at input_pos [1]."""
+    return model(x, input_pos, is_prefill=False)[:, -1]
+
+
+def setup_caches(model: Transformer, cache_kwargs: dict, prompt_length: int, max_new_tokens: int) -> list:
+    config = model.config
+    device, dtype = model.output.weight.device, model.output.weight.dtype
+    caches = create_caches(
+        cache_kwargs,
+        config.n_layer,
+        config.n_local_heads,
+        config.head_dim,
+        prompt_length,
+        max_new_tokens,
+        device,
+        dtype,
+    )
+    model.setup_caches(caches, prompt_length + max_new_tokens)
+    return caches
+
+
+def prefill_length(prompt_length: int, caches: list, feed_long_prompts: bool) -> int:
+    """How many prompt tokens the prefill pass takes; the rest are teacher-forced through decode.
+
+    A prompt exactly as long as the smallest cache keeps its last token for a decode step, so
+    strategies record state before the first eviction.
+    """
+    smallest = min(c.max_cache_length for c in caches)
+    if feed_long_prompts and prompt_length > smallest:
+        return smallest
+    if prompt_length == smallest and prompt_length > 1:
+        return prompt_length - 1
+    return prompt_length
+
+
+def compile_steps(model_fns: dict) -> dict:
+    """torch.compile of the decode step (fixed shapes) and of prefill (dynamic prompt length)."""
+    return {
+        "decode": torch.compile(model_fns["decode"], fullgraph=True),
+        "prefill": torch.compile(model_fns["prefill"], dynamic=True),
+    }
+
+
+STEPS = {"prefill": prefill, "decode": decode_one_token}
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt_ids: Tensor,
+    max_new_tokens: int,
+    cache_kwargs: dict,
+    terminator_ids=(),
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    callback=None,
+    steps: dict | None = None,
+) -> tuple[Tensor, dict]:
+    """Generates up to max_new_tokens after prompt_ids [T]; returns the new tokens and statistics.
+
+    `steps` holds (possibly compiled) prefill/decode functions; `callback(token_id)` streams output.
+    """
+    steps = steps or STEPS
+    device = model.output.weight.device
+    prompt_ids = prompt_ids.to(device)
+    prompt_length = prompt_ids.numel()
+    caches = setup_caches(model, cache_kwargs, prompt_length, max_new_tokens)
+    n_prefill = prefill_length(prompt_length, caches, cache_kwargs.get("feed_long_prompts", False))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    start = time.perf_counter()
+    logits = steps["prefill"](model, prompt_ids[:n_prefill].view(1, -1), torch.arange(n_prefill, device=device))
+    for pos in range(n_prefill, prompt_length):  # teacher-force the prompt tail
+        x = prompt_ids[pos].view(1, 1)
+        logits = steps["decode"](model, x, torch.tensor([pos], device=device))
+    next_token = sample(logits, temperature, top_k)
+    sync()
+    prefill_time = time.perf_counter() - start
+
+    new_tokens = [next_token.view(1)]
+    terminators = torch.tensor(list(terminator_ids) or [-1], device=device)
+    if callback:
+        callback(int(next_token))
+    done = bool(torch.isin(next_token, terminators))
+    decode_start = time.perf_counter()
+    for pos in range(prompt_length, prompt_length + max_new_tokens - 1):
+        if done:
+            break
+        logits = steps["decode"](model, next_token.view(1, 1), torch.tensor([pos], device=device))
+        next_token = sample(logits, temperature, top_k)
+        new_tokens.append(next_token.view(1))
+        if callback:
+            callback(int(next_token))
+        done = bool(torch.isin(next_token, terminators))
+    sync()
+    decode_time = time.perf_counter() - decode_start
+
+    tokens = torch.cat(new_tokens)
+    seq_len = prompt_length + len(tokens) - 1
+    stats = {
+        "prompt_tokens": prompt_length,
+        "new_tokens": len(tokens),
+        "prefill_time": prefill_time,
+        "decode_time": decode_time,
+        "prefill_tokens_per_s": prompt_length / prefill_time,
+        "decode_tokens_per_s": (len(tokens) - 1) / decode_time if len(tokens) > 1 else float("nan"),
+        **cache_statistics(caches, seq_len),
+    }
+    return tokens, stats

