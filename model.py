@@ -254,7 +254,7 @@ class Attention(nn.Module):
         """Full causal attention over the prompt; the cache then takes what its compressor keeps."""
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if self.kv_cache is not None:
-            self.kv_cache.prefill(input_pos, k, v, q)
+            self.kv_cache.update_kv(input_pos, k, v, is_prefill=True, query=q)
         return y
 
     def decode_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
@@ -270,7 +270,8 @@ class Attention(nn.Module):
         mask = mask.unsqueeze(2)
         if self.kv_cache.return_attn():
             y, attn = attention_with_probs(q, keys, values, mask)
-            self.kv_cache.update_state(input_pos, k, v, attn.view(bsz, self.n_local_heads, group, seqlen, -1))
+            attn = attn.view(bsz, self.n_local_heads, group, seqlen, -1)
+            self.kv_cache.update_state(input_pos, k, v, is_prefill=False, attn=attn)
         else:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return y.view(bsz, self.n_head, seqlen, self.head_dim)

@@ -78,7 +78,7 @@ class SnapKVCompressor(PromptCompressor):
         bsz, n_head, seqlen, head_dim = query.shape
         n_kv = k.shape[1]
         window = max(1, min(self.recent_window, seqlen))
-        q = query[:, :, -window:].float().view(bsz, n_kv, n_head // n_kv * window, head_dim)
+        q = query[:, :, -window:].float().reshape(bsz, n_kv, n_head // n_kv * window, head_dim)
         scores = q @ k.float().transpose(-1, -2) / math.sqrt(head_dim)
         rows = torch.arange(seqlen - window, seqlen, device=k.device).repeat(n_head // n_kv)
         causal = torch.arange(seqlen, device=k.device).view(1, -1) <= rows.view(-1, 1)

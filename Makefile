@@ -1,0 +1,26 @@
+# The two commands of the README: `make demo` and `make test`. Each installs what is missing first.
+PYTHON ?= python3
+CHECKPOINT := checkpoints/SmolLM2-135M-Instruct/model.pth
+
+.PHONY: demo test test-fast install install-dev lint
+
+install:
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+
+install-dev:
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+
+$(CHECKPOINT):
+	PYTHON=$(PYTHON) bash scripts/prepare_smollm2.sh
+
+demo: install $(CHECKPOINT)
+	$(PYTHON) generate.py --prompt cold_compress.txt
+
+test: install-dev $(CHECKPOINT)
+	$(PYTHON) -m pytest -q
+
+test-fast: install-dev $(CHECKPOINT)
+	$(PYTHON) -m pytest -q -m "not slow"
+
+lint:
+	ruff check . && ruff format --check .
