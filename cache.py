@@ -441,6 +441,14 @@ def layer_cache_lengths(cache_kwargs: dict, n_layer: int, prompt_length: int, ma
     return [min(seq_len, 8 * math.ceil(t / 8)) for t in tokens]
 
 
+def layer_length_values(cache_kwargs: dict, n_layer: int) -> list[float]:
+    """The --max_cache_length value each layer gets (before pyramid/funnel shaping)."""
+    values = cache_kwargs["max_cache_length"]
+    if cache_kwargs["cache_length_pattern"] in ("pyramid", "funnel"):
+        return values * n_layer
+    return spread_over_layers(values, n_layer, cache_kwargs["cache_length_pattern"], "max_cache_length")
+
+
 def layer_strategies(cache_kwargs: dict, n_layer: int) -> list[tuple[str, str]]:
     """(cache strategy, prompt compressor) per layer."""
     strategies = cache_kwargs["cache_strategy"]
@@ -473,8 +481,11 @@ def check_compatibility(cache_kwargs: dict, n_layer: int | None = None) -> None:
                 raise ValueError(f"--cache_length_pattern {cache_kwargs['cache_length_pattern']} takes one length")
         else:
             spread_over_layers(lengths, n_layer, cache_kwargs["cache_length_pattern"], "max_cache_length")
-    for name in strategies:
-        if name == "full" and any(v < 1.0 for v in lengths):
+    layer_pairs = zip(strategies, lengths) if n_layer is None else zip(
+        [s for s, _ in layer_strategies(cache_kwargs, n_layer)], layer_length_values(cache_kwargs, n_layer)
+    )
+    for name, length in layer_pairs:
+        if name == "full" and length < 1.0:
             raise ValueError("the full cache keeps every token; use --max_cache_length 1.0 or a compressing strategy")
     absolute = [v for v in lengths if v > 1]
     if absolute and cache_kwargs["global_tokens"] > min(absolute):
