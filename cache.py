@@ -90,7 +90,7 @@ class KVCache(nn.Module):
         self.pos.fill_(-1)
         self.reset_state()
 
-    def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor, is_prefill: bool = False, query=None):
+    def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor, is_prefill: bool = False, query=None, **kwargs):
         """Inserts k/v [B, H, T, D]; returns the keys, values and slot mask attention must use."""
         if is_prefill:
             self.prefill(input_pos, k, v, query)
@@ -132,7 +132,7 @@ class KVCache(nn.Module):
             self.v_cache.scatter_(2, index.expand_as(v), v.to(self.dtype))
             return
         for name, x in (("k", k), ("v", v)):
-            packed, scale, zero = quantize(x, self.cache_bits)
+            packed, scale, zero = quantize(x.to(self.dtype), self.cache_bits)
             getattr(self, f"{name}_packed").scatter_(2, index.expand_as(packed), packed)
             getattr(self, f"{name}_scale").scatter_(2, index, scale.to(self.dtype))
             getattr(self, f"{name}_zero").scatter_(2, index, zero.to(self.dtype))

@@ -203,7 +203,7 @@ class Transformer(nn.Module):
         freqs_cis = self.freqs_cis[input_pos]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
-            x = layer(x, input_pos, freqs_cis, is_prefill)
+            x = layer(x, input_pos, freqs_cis, is_prefill, idx)
         return self.output(self.norm(x)).float()
 
     @classmethod
@@ -219,8 +219,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, is_prefill: bool) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, input_pos, is_prefill)
+    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, is_prefill: bool, token_ids: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, input_pos, is_prefill, token_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -235,7 +235,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: nn.Module | None = None
 
-    def forward(self, x: Tensor, freqs_cis: Tensor, input_pos: Tensor, is_prefill: bool) -> Tensor:
+    def forward(
+        self, x: Tensor, freqs_cis: Tensor, input_pos: Tensor, is_prefill: bool, token_ids: Tensor | None = None
+    ) -> Tensor:
+        """token_ids [B, T] reach the cache for strategies that keep special or punctuation tokens."""
         bsz, seqlen, _ = x.shape
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
@@ -245,19 +248,19 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim).transpose(1, 2)
         if is_prefill:
-            y = self.prefill_attention(q, k, v, input_pos)
+            y = self.prefill_attention(q, k, v, input_pos, token_ids)
         else:
-            y = self.decode_attention(q, k, v, input_pos)
+            y = self.decode_attention(q, k, v, input_pos, token_ids)
         return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, q_size))
 
-    def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+    def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, token_ids: Tensor) -> Tensor:
         """Full causal attention over the prompt; the cache then takes what its compressor keeps."""
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if self.kv_cache is not None:
-            self.kv_cache.update_kv(input_pos, k, v, is_prefill=True, query=q)
+            self.kv_cache.update_kv(input_pos, k, v, is_prefill=True, query=q, token_ids=token_ids)
         return y
 
-    def decode_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+    def decode_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, token_ids: Tensor) -> Tensor:
         """One query per KV-head group attends over the cache slots.
 
         Viewing the G query heads that share a KV head as G queries of that head lets a per-head
@@ -265,7 +268,7 @@ class Attention(nn.Module):
         """
         bsz, _, seqlen, _ = q.shape
         group = self.n_head // self.n_local_heads
-        keys, values, mask = self.kv_cache.update_kv(input_pos, k, v)
+        keys, values, mask = self.kv_cache.update_kv(input_pos, k, v, query=q, token_ids=token_ids)
         q = q.view(bsz, self.n_local_heads, group * seqlen, self.head_dim)
         mask = mask.unsqueeze(2)
         if self.kv_cache.return_attn():
