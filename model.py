@@ -74,7 +74,11 @@ def hf_config_to_args(config: dict) -> dict:
     if "rope_parameters" in config:  # transformers >= 5 folds theta and scaling together
         params = dict(config["rope_parameters"])
         rope_base = params.pop("rope_theta", rope_base)
-        rope_scaling = params if params.get("rope_type", "default") != "default" else {}
+        rope_scaling = params
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"RoPE scaling '{rope_type}' is not supported (only llama3)")
+    rope_scaling = {**rope_scaling, "rope_type": "llama3"} if rope_type == "llama3" else {}
     return dict(
         block_size=config.get("max_position_embeddings", 2048),
         vocab_size=config["vocab_size"],

@@ -41,7 +41,8 @@ class TokenizerInterface:
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text stay whole. BOS per the model's habit."""
         ids = self._encode(text)
-        if bos if bos is not None else self.add_bos:
+        add = bos if bos is not None else self.add_bos
+        if add and self.bos_id is not None and ids[:1] != [self.bos_id]:  # a chat template may write BOS itself
             ids = [self.bos_id] + ids
         return ids
 
@@ -59,12 +60,12 @@ class TokenizerInterface:
         raise NotImplementedError
 
     @property
-    def bos_id(self) -> int:
-        return self.token_id(self.config["bos_token"])
+    def bos_id(self) -> int | None:
+        return self.token_id(self.config.get("bos_token"))
 
     @property
-    def eos_id(self) -> int:
-        return self.token_id(self.config["eos_token"])
+    def eos_id(self) -> int | None:
+        return self.token_id(self.config.get("eos_token"))
 
     @cached_property
     def terminator_ids(self) -> list[int]:
