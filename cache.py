@@ -17,6 +17,7 @@ import yaml
 from torch import Tensor
 
 from prompt_compression import get_prompt_compressor, prompt_compressor_is_head_specific
+from model import attention_with_probs
 from quantization_utils import SUPPORTED_BITS, dequantize, packed_dim, quantize
 
 CACHE_CONFIG_DIR = Path(__file__).resolve().parent / "cache_configs"
@@ -306,6 +307,187 @@ def prefill_attention_received(query: Tensor, k: Tensor, thresholding: bool = Fa
     return received / (seqlen - key_pos).float()
 
 
+class DebugCache(FullCache):
+    """debug_<name>: attends with a full cache while a `<name>` cache is fed the same tokens beside it.
+
+    Each decode step records the attention loss: the attention mass (averaged over query heads)
+    that falls on tokens the simulated cache no longer holds. Statistics report the simulated
+    cache's compression and memory, plus the loss.
+    """
+
+    relevant_kwargs = []
+
+    def __init__(self, *args, simulated: KVCache, **kwargs):
+        super().__init__(*args, **{**kwargs, "cache_bits": None})
+        self.simulated = simulated
+        self.register_buffer("attention_loss", torch.zeros(self.max_cache_length))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def return_attn(self):
+        return True
+
+    def update_kv(self, input_pos, k, v, is_prefill=False, query=None, **kwargs):
+        keys, values, mask = self.simulated.update_kv(input_pos, k, v, is_prefill, query, **kwargs)
+        if not is_prefill and self.simulated.return_attn():
+            bsz, n_kv, _, head_dim = keys.shape
+            q = query.reshape(bsz, n_kv, -1, head_dim)
+            _, attn = attention_with_probs(q, keys, values, mask.unsqueeze(2))
+            self.simulated.update_state(input_pos, k, v, False, attn.unsqueeze(3))
+        return super().update_kv(input_pos, k, v, is_prefill, query, **kwargs)
+
+    def update_state(self, input_pos, k, v, is_prefill, attn):
+        held = torch.zeros_like(self.pos, dtype=torch.float)
+        simulated_pos = self.simulated.pos
+        held.scatter_(2, simulated_pos.clamp(min=0), (simulated_pos >= 0).float())
+        held_slots = held.gather(2, self.pos.clamp(min=0)) * (self.pos >= 0)
+        kept_mass = (attn[:, :, :, -1].float() * held_slots.unsqueeze(2)).sum(-1)
+        self.attention_loss.index_put_((self.steps,), 1.0 - kept_mass.mean())
+        self.steps.add_(1)
+
+    def reset_state(self):
+        self.simulated.reset()
+        self.attention_loss.zero_()
+        self.steps.zero_()
+
+    def compute_statistics(self, seq_len):
+        stats = self.simulated.compute_statistics(seq_len)
+        losses = self.attention_loss[: int(self.steps)]
+        stats["attention_loss"] = losses.mean().item() if len(losses) else 0.0
+        for first in range(500, len(losses) + 1, 500):
+            stats[f"attention_loss_first_{first}"] = losses[:first].mean().item()
+        return stats
+
+
+HYBRID_POLICY_PARTS = ("special", "punc", "heavy_hitter", "window", "full")
+FASTGEN_STRATEGIES = [
+    "special",
+    "special_punc",
+    "special_punc_heavy_hitter",
+    "special_punc_heavy_hitter_window",
+    "full",
+]
+
+
+def parse_hybrid_policy(name: str) -> set[str]:
+    """'special_punc_heavy_hitter' -> {'special', 'punc', 'heavy_hitter'}."""
+    parts, rest = set(), name
+    for part in HYBRID_POLICY_PARTS:
+        if part in rest:
+            parts.add(part)
+            rest = rest.replace(part, "")
+    if rest.strip("_") or not parts:
+        raise ValueError(
+            f"unknown hybrid policy '{name}'; combine {', '.join(HYBRID_POLICY_PARTS)} with '_' (e.g. special_punc)"
+        )
+    return parts
+
+
+class HybridCache(KVCache):
+    """FastGen: each KV head profiles the prompt and adopts the cheapest policy that still recovers
+    `min_recovery_frac` of its attention; heads then keep different tokens (and numbers of them).
+
+    The cache spans the whole sequence; a token a head's policy drops is masked out for good.
+    `window` keeps the most recent WINDOW_FRACTION of tokens, `heavy_hitter` the
+    HEAVY_HITTER_FRACTION with the most accumulated attention.
+    """
+
+    relevant_kwargs = ["min_recovery_frac", "hybrid_strategies", "global_tokens", "cache_bits"]
+    head_specific = True
+    WINDOW_FRACTION = 0.3
+    HEAVY_HITTER_FRACTION = 0.3
+    PROFILE_QUERIES = 32
+
+    def __init__(self, *args, min_recovery_frac=0.9, hybrid_strategies=None, special_ids=(), punctuation_ids=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.min_recovery_frac = min_recovery_frac
+        self.strategies = list(hybrid_strategies or FASTGEN_STRATEGIES)
+        policies = [parse_hybrid_policy(s) for s in self.strategies]
+        # One row per policy: which parts it combines, in HYBRID_POLICY_PARTS order.
+        table = [[part in p for part in HYBRID_POLICY_PARTS] for p in policies] + [[False] * 4 + [True]]
+        self.register_buffer("policy_parts", torch.tensor(table))
+        self.register_buffer("special_ids", torch.tensor(sorted(special_ids), dtype=torch.long))
+        self.register_buffer("punctuation_ids", torch.tensor(sorted(punctuation_ids), dtype=torch.long))
+        self.register_buffer("policy", torch.zeros(self.pos.shape[:2], dtype=torch.long))
+        self.register_buffer("kept", torch.zeros(self.pos.shape, dtype=torch.bool))
+        self.register_buffer("is_special", torch.zeros(self.pos.shape, dtype=torch.bool))
+        self.register_buffer("is_punc", torch.zeros(self.pos.shape, dtype=torch.bool))
+        self.register_buffer("attn_sum", torch.zeros(self.pos.shape))
+
+    def return_attn(self):
+        return True
+
+    def update_kv(self, input_pos, k, v, is_prefill=False, query=None, token_ids=None, **kwargs):
+        self.new_token_ids = token_ids  # read by insert_state
+        keys, values, filled = super().update_kv(input_pos, k, v, is_prefill, query)
+        if is_prefill:
+            self.profile(input_pos, observation_attention(query, k, self.PROFILE_QUERIES))
+        self.kept &= self.policy_mask(input_pos[-1:])
+        return keys, values, filled & self.kept
+
+    def insert_state(self, slots, k, state):
+        """Marks new tokens special/punctuation and kept; token ids arrive with the write."""
+        self.kept.scatter_(2, slots, torch.ones_like(slots, dtype=torch.bool))
+        self.attn_sum.scatter_(2, slots, torch.zeros_like(slots, dtype=torch.float))
+        ids = self.new_token_ids.view(1, 1, -1).expand_as(slots)
+        self.is_special.scatter_(2, slots, torch.isin(ids, self.special_ids))
+        self.is_punc.scatter_(2, slots, torch.isin(ids, self.punctuation_ids))
+
+    def policy_mask(self, input_pos: Tensor, policy_parts: Tensor | None = None) -> Tensor:
+        """Which slots each head's policy keeps at position input_pos, [B, H, L] (or [P, B, H, L])."""
+        parts = self.policy_parts[self.policy] if policy_parts is None else policy_parts
+        special, punc, heavy, window, full = (parts[..., i, None] for i in range(len(HYBRID_POLICY_PARTS)))
+        length = (input_pos + 1).float()
+        recent = self.pos >= input_pos + 1 - torch.ceil(self.WINDOW_FRACTION * length)
+        filled = self.pos >= 0
+        score = torch.where(filled & self.kept, self.attn_sum, -math.inf)
+        rank = score.argsort(dim=-1, descending=True).argsort(dim=-1)
+        top = rank < torch.ceil(self.HEAVY_HITTER_FRACTION * length)
+        keep = full | (special & self.is_special) | (punc & self.is_punc) | (window & recent) | (heavy & top)
+        return keep | (self.pos < self.global_tokens) | (self.pos == input_pos)
+
+    def profile(self, input_pos: Tensor, attn: Tensor) -> None:
+        """Each head takes the first policy whose kept prompt tokens recover min_recovery_frac of the
+        attention [B, H, W, T] of the last W prompt queries; the prompt fills slots 0..T-1 in order."""
+        seqlen = attn.shape[-1]
+        self.attn_sum[..., :seqlen] = attn.sum(2)
+        masks = self.policy_mask(input_pos[-1:], self.policy_parts.view(-1, 1, 1, len(HYBRID_POLICY_PARTS)))
+        masks = masks[..., :seqlen]
+        recovered = (attn.unsqueeze(0) * masks.unsqueeze(3)).sum(-1).mean(-1) / attn.sum(-1).mean(-1)
+        recovered[-1] = 1.0  # the implicit full fallback
+        good = recovered >= self.min_recovery_frac
+        self.policy.copy_(good.float().argmax(dim=0))
+
+    def update_state(self, input_pos, k, v, is_prefill, attn):
+        self.attn_sum += attn.mean(dim=2)[:, :, -1].float()
+
+    def reset_state(self):
+        for name in ("policy", "kept", "is_special", "is_punc", "attn_sum"):
+            getattr(self, name).zero_()
+
+    def compute_statistics(self, seq_len):
+        stats = super().compute_statistics(seq_len)
+        kept = (self.kept & (self.pos >= 0)).sum(-1).float() * (self.cache_bits or 16) / 16
+        stats["compression_ratio"] = ((seq_len - kept) / seq_len).mean().item()
+        names = self.strategies + ["full"]
+        shares = torch.bincount(self.policy.flatten(), minlength=len(names)).float() / self.policy.numel()
+        stats["policy_share"] = {}
+        for name, share in zip(names, shares.tolist()):
+            stats["policy_share"][name] = stats["policy_share"].get(name, 0.0) + share
+        return stats
+
+
+def observation_attention(query: Tensor, k: Tensor, window: int) -> Tensor:
+    """Attention [B, H_kv, W, T] of the last `window` prompt queries, averaged over each KV head's query heads."""
+    bsz, n_head, seqlen, head_dim = query.shape
+    n_kv = k.shape[1]
+    window = max(1, min(window, seqlen))
+    q = query[:, :, -window:].float().reshape(bsz, n_kv, n_head // n_kv, window, head_dim)
+    scores = q @ k.float().unsqueeze(2).transpose(-1, -2) / math.sqrt(head_dim)
+    rows = torch.arange(seqlen - window, seqlen, device=k.device)
+    causal = torch.arange(seqlen, device=k.device).view(1, -1) <= rows.view(-1, 1)
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).mean(dim=2)
+
+
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     "full": FullCache,
     "recent_global": RecentGlobalCache,
@@ -313,6 +495,7 @@ CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     "l2": L2Cache,
     "heavy_hitter": HeavyHitterCache,
     "keep_it_odd": KeepItOddCache,
+    "hybrid": HybridCache,
 }
 
 
@@ -323,6 +506,9 @@ def resolve_recent_window(recent_window: float, cache_length: int, global_tokens
 
 
 def get_cache_constructor(name: str) -> type[KVCache]:
+    """A strategy class; `debug_<name>` gives DebugCache (create_caches builds its simulated `<name>`)."""
+    if name.startswith("debug_") and name.removeprefix("debug_") in CACHE_STRATEGIES:
+        return DebugCache
     if name not in CACHE_STRATEGIES:
         raise ValueError(f"unknown cache strategy '{name}'; choose from: {', '.join(CACHE_STRATEGIES)}")
     return CACHE_STRATEGIES[name]
@@ -355,7 +541,15 @@ def cache_argument_names() -> list[str]:
     return [a.dest for a in parser._actions if a.dest != "help"]
 
 
-CACHE_ARGUMENT_NAMES = cache_argument_names() + ["hybrid_strategies"]
+# Also passed to caches: hybrid's policy list and the tokenizer's special/punctuation ids.
+CACHE_ARGUMENT_NAMES = cache_argument_names() + ["hybrid_strategies", "special_ids", "punctuation_ids"]
+
+
+def add_token_ids(cache_kwargs: dict, tokenizer) -> dict:
+    """The hybrid strategy keeps special and punctuation tokens: hand it the tokenizer's ids."""
+    if "hybrid" not in cache_kwargs["cache_strategy"]:
+        return cache_kwargs
+    return {**cache_kwargs, "special_ids": tokenizer.special_ids, "punctuation_ids": tokenizer.punctuation_ids}
 
 
 def default_cache_kwargs(**overrides) -> dict:
@@ -369,8 +563,8 @@ def default_cache_kwargs(**overrides) -> dict:
 
 
 def load_cache_config(name: str) -> dict:
-    """Reads a YAML preset: a bare name comes from cache_configs/, a path (with a slash) from anywhere."""
-    if "/" in name or name.endswith((".yaml", ".yml")) and Path(name).is_file():
+    """Reads a YAML preset: an existing path (with a slash or .yaml) from anywhere, else a name in cache_configs/."""
+    if ("/" in name or name.endswith((".yaml", ".yml"))) and Path(name).is_file():
         path = Path(name)
     else:
         path = (CACHE_CONFIG_DIR / name).with_suffix(".yaml") if not name.endswith(".yaml") else CACHE_CONFIG_DIR / name
@@ -459,7 +653,7 @@ def layer_strategies(cache_kwargs: dict, n_layer: int) -> list[tuple[str, str]]:
     return spread_over_layers(pairs, n_layer, cache_kwargs["cache_strategy_pattern"], "cache_strategy")
 
 
-def check_compatibility(cache_kwargs: dict, n_layer: int | None = None) -> None:
+def check_compatibility(cache_kwargs: dict, n_layer: int | None = None, compile: bool = False) -> None:
     """Raises ValueError with a one-line reason for any combination that cannot work (SPEC section 4)."""
     strategies = cache_kwargs["cache_strategy"]
     compressors = cache_kwargs["prompt_compression_strategy"]
@@ -485,8 +679,16 @@ def check_compatibility(cache_kwargs: dict, n_layer: int | None = None) -> None:
         [s for s, _ in layer_strategies(cache_kwargs, n_layer)], layer_length_values(cache_kwargs, n_layer)
     )
     for name, length in layer_pairs:
-        if name == "full" and length < 1.0:
-            raise ValueError("the full cache keeps every token; use --max_cache_length 1.0 or a compressing strategy")
+        if name in ("full", "hybrid") and length < 1.0:
+            raise ValueError(
+                f"the {name} cache spans the whole sequence; use --max_cache_length 1.0 with it "
+                + ("(its policies do the compressing)" if name == "hybrid" else "or a compressing strategy")
+            )
+    if "hybrid" in strategies:
+        if compile:
+            raise ValueError("the hybrid strategy changes shapes per head and cannot be compiled; drop --compile")
+        for policy in cache_kwargs.get("hybrid_strategies") or FASTGEN_STRATEGIES:
+            parse_hybrid_policy(policy)
     absolute = [v for v in lengths if v > 1]
     if absolute and cache_kwargs["global_tokens"] > min(absolute):
         raise ValueError(
@@ -494,7 +696,8 @@ def check_compatibility(cache_kwargs: dict, n_layer: int | None = None) -> None:
         )
     pairs = list(zip(strategies, compressors * len(strategies) if len(compressors) == 1 else compressors))
     for cache_name, compressor_name in pairs:
-        if prompt_compressor_is_head_specific(compressor_name) and not CACHE_STRATEGIES[cache_name].head_specific:
+        cache_class = CACHE_STRATEGIES[cache_name.removeprefix("debug_")]
+        if prompt_compressor_is_head_specific(compressor_name) and not cache_class.head_specific:
             raise ValueError(
                 f"prompt compressor '{compressor_name}' keeps different tokens per head but cache '{cache_name}' "
                 "keeps the same tokens for all heads; pick a head-constant compressor (recent_global, random, keep_it_odd)"
@@ -514,6 +717,7 @@ def create_caches(
 ) -> list[KVCache]:
     """One cache per layer, sized and typed by the per-layer patterns."""
     lengths = layer_cache_lengths(cache_kwargs, n_layer, prompt_length, max_new_tokens)
+    seq_len = prompt_length + max_new_tokens
     caches = []
     for length, (strategy, compressor) in zip(lengths, layer_strategies(cache_kwargs, n_layer)):
         if length < cache_kwargs["global_tokens"]:
@@ -523,7 +727,13 @@ def create_caches(
             global_tokens=cache_kwargs["global_tokens"],
             recent_window=resolve_recent_window(cache_kwargs["recent_window"], length, cache_kwargs["global_tokens"]),
         )
-        cache = get_cache_constructor(strategy)(max_batch_size, n_heads, head_dim, length, dtype, **kwargs)
+        if strategy.startswith("debug_"):
+            simulated = get_cache_constructor(strategy.removeprefix("debug_"))(
+                max_batch_size, n_heads, head_dim, length, dtype, **kwargs
+            )
+            cache = DebugCache(max_batch_size, n_heads, head_dim, seq_len, dtype, simulated=simulated, **kwargs)
+        else:
+            cache = get_cache_constructor(strategy)(max_batch_size, n_heads, head_dim, length, dtype, **kwargs)
         caches.append(cache.to(device))
     return caches
 
@@ -531,12 +741,16 @@ def create_caches(
 def cache_statistics(caches: list[KVCache], seq_len: int) -> dict:
     """Averaged and per-layer statistics (SPEC section 7)."""
     per_layer = [c.compute_statistics(seq_len) for c in caches]
-    stats = {
-        "compression_ratio": sum(s["compression_ratio"] for s in per_layer) / len(per_layer),
-        "cache_memory_bytes": sum(s["cache_memory_bytes"] for s in per_layer),
-    }
-    for key in per_layer[0]:
-        stats[f"{key}_per_layer"] = [s[key] for s in per_layer]
+    stats = {}
+    for key in dict.fromkeys(k for s in per_layer for k in s):
+        values = [s[key] for s in per_layer if key in s]
+        if key == "cache_memory_bytes":
+            stats[key] = sum(values)
+        elif isinstance(values[0], dict):  # e.g. hybrid's share of heads per policy
+            stats[key] = {name: sum(v.get(name, 0.0) for v in values) / len(values) for name in values[0]}
+        else:
+            stats[key] = sum(values) / len(values)
+        stats[f"{key}_per_layer"] = values
     return stats
 
 
@@ -544,11 +758,11 @@ def relevant_kwargs(cache_kwargs: dict) -> dict:
     """The hyper-parameters the chosen strategies actually read (names result folders)."""
     names = ["cache_strategy", "prompt_compression_strategy"]
     for strategy in cache_kwargs["cache_strategy"]:
-        names += CACHE_STRATEGIES[strategy].relevant_kwargs
+        names += CACHE_STRATEGIES[strategy.removeprefix("debug_")].relevant_kwargs
     if len(cache_kwargs["max_cache_length"]) > 1 or cache_kwargs["cache_length_pattern"] in ("pyramid", "funnel"):
         names.append("cache_length_pattern")
     if len(cache_kwargs["cache_strategy"]) > 1:
         names.append("cache_strategy_pattern")
     if cache_kwargs.get("feed_long_prompts"):
         names.append("feed_long_prompts")
-    return {n: cache_kwargs[n] for n in dict.fromkeys(names)}
+    return {n: cache_kwargs.get(n) for n in dict.fromkeys(names)}

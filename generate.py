@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from cache import add_cache_arguments, check_compatibility, parse_args_with_cache_config
+import tp
+from cache import add_cache_arguments, add_token_ids, check_compatibility, parse_args_with_cache_config
 from generation import (
     DEFAULT_CHECKPOINT,
     STEPS,
@@ -98,6 +99,9 @@ def append_csv(path: Path, stats: dict, args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     parser = build_parser()
     args = parse_args_with_cache_config(parser, argv)
+    rank = tp.env_rank()  # > 0 only on the other ranks of a tensor-parallel torchrun launch
+    if rank:
+        sys.stdout = open(os.devnull, "w")  # only rank 0 prints
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype)
@@ -105,9 +109,13 @@ def main(argv=None) -> None:
             raise ValueError("--max_new_tokens must be at least 1")
         prompt = read_prompt(args.prompt)
         config = checkpoint_config(args.checkpoint_path)
+        if tp.world_size() > 1:
+            tp.check_tp(config, tp.world_size())
+            device = tp.local_device(device)
         cache_kwargs = {k: v for k, v in vars(args).items()}
-        check_compatibility(cache_kwargs, config.n_layer)
+        check_compatibility(cache_kwargs, config.n_layer, compile=args.compile)
         tokenizer = get_tokenizer(args.checkpoint_path)
+        cache_kwargs = add_token_ids(cache_kwargs, tokenizer)
         text = prompt if args.no_chat_template or not tokenizer.is_chat else tokenizer.apply_chat_template(prompt)
         prompt_ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
         if prompt_ids.numel() + args.max_new_tokens > config.block_size:
@@ -115,9 +123,10 @@ def main(argv=None) -> None:
                 f"prompt of {prompt_ids.numel()} tokens + {args.max_new_tokens} new tokens exceeds the model's "
                 f"context of {config.block_size}; shorten the prompt or lower --max_new_tokens"
             )
-        model = load_model(args.checkpoint_path, device, dtype)
+        shard = tp.apply_tp if tp.maybe_init_dist(device) is not None else None
+        model = load_model(args.checkpoint_path, device, dtype, shard=shard)
     except (ValueError, CheckpointError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {e}" if not rank else 1)
 
     torch.manual_seed(args.seed)
     steps = compile_steps(STEPS) if args.compile else STEPS
@@ -144,12 +153,14 @@ def main(argv=None) -> None:
         callback=stream,
         steps=steps,
     )
+    stats = tp.all_reduce_statistics(stats)  # whole-model cache statistics under tensor parallel
     stats["total_time"] = time.perf_counter() - start
     stats["peak_memory_bytes"] = peak_memory_bytes(device)
     print()
     print_statistics(stats)
-    if args.csv:
+    if args.csv and not rank:
         append_csv(args.csv, stats, args)
+    tp.maybe_destroy_dist()
 
 
 if __name__ == "__main__":
