@@ -16,8 +16,8 @@ import torch.nn as nn
 import yaml
 from torch import Tensor
 
-from prompt_compression import get_prompt_compressor, prompt_compressor_is_head_specific
 from model import attention_with_probs
+from prompt_compression import get_prompt_compressor, prompt_compressor_is_head_specific
 from quantization_utils import SUPPORTED_BITS, dequantize, packed_dim, quantize
 
 CACHE_CONFIG_DIR = Path(__file__).resolve().parent / "cache_configs"
@@ -338,10 +338,10 @@ class DebugCache(FullCache):
     def update_state(self, input_pos, k, v, is_prefill, attn):
         held = torch.zeros_like(self.pos, dtype=torch.float)
         simulated_pos = self.simulated.pos
-        held.scatter_(2, simulated_pos.clamp(min=0), (simulated_pos >= 0).float())
+        held.scatter_add_(2, simulated_pos.clamp(min=0), (simulated_pos >= 0).float())  # empties add 0
         held_slots = held.gather(2, self.pos.clamp(min=0)) * (self.pos >= 0)
-        kept_mass = (attn[:, :, :, -1].float() * held_slots.unsqueeze(2)).sum(-1)
-        self.attention_loss.index_put_((self.steps,), 1.0 - kept_mass.mean())
+        lost_mass = (attn[:, :, :, -1].float() * (1.0 - held_slots).unsqueeze(2)).sum(-1)
+        self.attention_loss.index_put_((self.steps,), lost_mass.mean())
         self.steps.add_(1)
 
     def reset_state(self):
@@ -397,7 +397,9 @@ class HybridCache(KVCache):
     HEAVY_HITTER_FRACTION = 0.3
     PROFILE_QUERIES = 32
 
-    def __init__(self, *args, min_recovery_frac=0.9, hybrid_strategies=None, special_ids=(), punctuation_ids=(), **kwargs):
+    def __init__(
+        self, *args, min_recovery_frac=0.9, hybrid_strategies=None, special_ids=(), punctuation_ids=(), **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self.min_recovery_frac = min_recovery_frac
         self.strategies = list(hybrid_strategies or FASTGEN_STRATEGIES)
@@ -675,8 +677,10 @@ def check_compatibility(cache_kwargs: dict, n_layer: int | None = None, compile:
                 raise ValueError(f"--cache_length_pattern {cache_kwargs['cache_length_pattern']} takes one length")
         else:
             spread_over_layers(lengths, n_layer, cache_kwargs["cache_length_pattern"], "max_cache_length")
-    layer_pairs = zip(strategies, lengths) if n_layer is None else zip(
-        [s for s, _ in layer_strategies(cache_kwargs, n_layer)], layer_length_values(cache_kwargs, n_layer)
+    layer_pairs = (
+        zip(strategies, lengths)
+        if n_layer is None
+        else zip([s for s, _ in layer_strategies(cache_kwargs, n_layer)], layer_length_values(cache_kwargs, n_layer))
     )
     for name, length in layer_pairs:
         if name in ("full", "hybrid") and length < 1.0:
