@@ -126,17 +126,16 @@ class KVCache(nn.Module):
 
     def write(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """Stores k/v [B, H, n, D] into slots [B, H, n], quantizing when the cache is low-bit."""
-        self.pos.scatter_(2, slots, positions.to(self.pos.dtype))
-        index = slots.unsqueeze(-1)
+        write_slots(self.pos, slots, positions)
         if self.cache_bits is None:
-            self.k_cache.scatter_(2, index.expand_as(k), k.to(self.dtype))
-            self.v_cache.scatter_(2, index.expand_as(v), v.to(self.dtype))
+            write_slots(self.k_cache, slots, k)
+            write_slots(self.v_cache, slots, v)
             return
         for name, x in (("k", k), ("v", v)):
             packed, scale, zero = quantize(x.to(self.dtype), self.cache_bits)
-            getattr(self, f"{name}_packed").scatter_(2, index.expand_as(packed), packed)
-            getattr(self, f"{name}_scale").scatter_(2, index, scale.to(self.dtype))
-            getattr(self, f"{name}_zero").scatter_(2, index, zero.to(self.dtype))
+            write_slots(getattr(self, f"{name}_packed"), slots, packed)
+            write_slots(getattr(self, f"{name}_scale"), slots, scale)
+            write_slots(getattr(self, f"{name}_zero"), slots, zero)
 
     def read(self) -> tuple[Tensor, Tensor]:
         if self.cache_bits is None:
@@ -161,6 +160,18 @@ class KVCache(nn.Module):
             "compression_ratio": (seq_len - kept) / seq_len,
             "cache_memory_bytes": sum(b.numel() * b.element_size() for b in self.buffers()),
         }
+
+
+def write_slots(buffer: Tensor, slots: Tensor, values: Tensor) -> None:
+    """buffer[b, h, slots[b, h, i]] = values[b, h, i] for a [B, H, L, ...] buffer.
+
+    One index_copy_ over flattened (batch, head, slot) rows: scatter_ copies the whole buffer on
+    CPU for some dtypes, which made each decode step proportional to the cache length.
+    """
+    bsz, n_heads, length = buffer.shape[:3]
+    rows = torch.arange(bsz * n_heads, device=slots.device).view(bsz, n_heads, 1) * length + slots
+    flat = buffer.view(bsz * n_heads * length, *buffer.shape[3:])
+    flat.index_copy_(0, rows.flatten(), values.reshape(-1, *buffer.shape[3:]).to(buffer.dtype))
 
 
 class FullCache(KVCache):
@@ -209,7 +220,7 @@ class L2Cache(KVCache):
 
     def insert_state(self, slots, k, state):
         norm = state.get("key_norm", k.float().norm(dim=-1))
-        self.key_norm.scatter_(2, slots, norm)
+        write_slots(self.key_norm, slots, norm)
 
     def reset_state(self):
         self.key_norm.zero_()
@@ -248,8 +259,8 @@ class HeavyHitterCache(KVCache):
         first = torch.zeros(*slots.shape, self.history_window_size, device=slots.device)
         if "attn" in state:
             first[..., 0] = state["attn"]
-        self.attn_history.scatter_(2, slots.unsqueeze(-1).expand_as(first), first)
-        self.attn_counter.scatter_(2, slots, torch.full_like(slots, int("attn" in state), dtype=torch.float))
+        write_slots(self.attn_history, slots, first)
+        write_slots(self.attn_counter, slots, torch.full_like(slots, int("attn" in state), dtype=torch.float))
         if "attn" in state:
             self.step.fill_(1 if n else 0)
 
@@ -265,8 +276,7 @@ class HeavyHitterCache(KVCache):
             self.attn_history[..., 0] += attn
             self.attn_counter.add_(filled)
         else:
-            column = (self.step % self.history_window_size).view(1, 1, 1, 1).expand(*attn.shape, 1)
-            self.attn_history.scatter_(3, column, attn.unsqueeze(-1))
+            self.attn_history.index_copy_(3, (self.step % self.history_window_size).view(1), attn.unsqueeze(-1))
             self.attn_counter.copy_(torch.clamp(self.attn_counter + filled, max=self.history_window_size))
         self.step.add_(1)
 
@@ -428,11 +438,11 @@ class HybridCache(KVCache):
 
     def insert_state(self, slots, k, state):
         """Marks new tokens special/punctuation and kept; token ids arrive with the write."""
-        self.kept.scatter_(2, slots, torch.ones_like(slots, dtype=torch.bool))
-        self.attn_sum.scatter_(2, slots, torch.zeros_like(slots, dtype=torch.float))
+        write_slots(self.kept, slots, torch.ones_like(slots, dtype=torch.bool))
+        write_slots(self.attn_sum, slots, torch.zeros_like(slots, dtype=torch.float))
         ids = self.new_token_ids.view(1, 1, -1).expand_as(slots)
-        self.is_special.scatter_(2, slots, torch.isin(ids, self.special_ids))
-        self.is_punc.scatter_(2, slots, torch.isin(ids, self.punctuation_ids))
+        write_slots(self.is_special, slots, torch.isin(ids, self.special_ids))
+        write_slots(self.is_punc, slots, torch.isin(ids, self.punctuation_ids))
 
     def policy_mask(self, input_pos: Tensor, policy_parts: Tensor | None = None) -> Tensor:
         """Which slots each head's policy keeps at position input_pos, [B, H, L] (or [P, B, H, L])."""
