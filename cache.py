@@ -179,6 +179,10 @@ class FullCache(KVCache):
 
     relevant_kwargs = ["cache_bits"]
 
+    def eviction_slots(self, input_pos):
+        """Slot i holds position i: no scoring needed on the hot path."""
+        return input_pos.view(1, 1, 1).expand(*self.pos.shape[:2], 1)
+
 
 class RecentGlobalCache(KVCache):
     """StreamingLLM: attention sinks plus a sliding window; the oldest non-global token goes first."""
