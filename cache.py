@@ -696,8 +696,10 @@ def check_compatibility(cache_kwargs: dict, n_layer: int | None = None, compile:
         if n_layer is None
         else zip([s for s, _ in layer_strategies(cache_kwargs, n_layer)], layer_length_values(cache_kwargs, n_layer))
     )
+    shaped = cache_kwargs["cache_length_pattern"] in ("pyramid", "funnel")  # some layers get < 1.0
     for name, length in layer_pairs:
-        if name in ("full", "hybrid") and length < 1.0:
+        # an absolute length would be a cache shorter than the sequence as soon as the prompt outgrows it
+        if name in ("full", "hybrid") and (length != 1.0 or shaped):
             raise ValueError(
                 f"the {name} cache spans the whole sequence; use --max_cache_length 1.0 with it "
                 + ("(its policies do the compressing)" if name == "hybrid" else "or a compressing strategy")
@@ -719,6 +721,20 @@ def check_compatibility(cache_kwargs: dict, n_layer: int | None = None, compile:
             raise ValueError(
                 f"prompt compressor '{compressor_name}' keeps different tokens per head but cache '{cache_name}' "
                 "keeps the same tokens for all heads; pick a head-constant compressor (recent_global, random, keep_it_odd)"
+            )
+
+
+def check_cache_lengths(cache_kwargs: dict, n_layer: int, prompt_length: int, max_new_tokens: int) -> None:
+    """The compatibility checks that need the prompt length: run after tokenizing, before the model loads."""
+    lengths = layer_cache_lengths(cache_kwargs, n_layer, prompt_length, max_new_tokens)
+    prefilled = min(prompt_length, min(lengths)) if cache_kwargs.get("feed_long_prompts") else prompt_length
+    for length, (_, compressor) in zip(lengths, layer_strategies(cache_kwargs, n_layer)):
+        if length < cache_kwargs["global_tokens"]:
+            raise ValueError(f"--global_tokens {cache_kwargs['global_tokens']} exceeds a cache of {length} slots")
+        if compressor == "full" and prefilled > length:
+            raise ValueError(
+                f"prompt of {prompt_length} tokens does not fit a {length}-slot cache with prompt compression "
+                "'full'; choose another --prompt_compression_strategy or a larger --max_cache_length"
             )
 
 

@@ -48,7 +48,8 @@ def checkpoint_config(checkpoint_dir: Path) -> ModelArgs:
     return ModelArgs.from_checkpoint_dir(checkpoint_dir)
 
 
-def load_model(checkpoint_dir: Path, device, dtype: torch.dtype) -> Transformer:
+def load_model(checkpoint_dir: Path, device, dtype: torch.dtype, shard=None) -> Transformer:
+    """`shard(model)` (e.g. tp.apply_tp) runs on the memory-mapped CPU weights, before the move to `device`."""
     config = checkpoint_config(checkpoint_dir)
     weights = Path(checkpoint_dir) / "model.pth"
     try:
@@ -67,6 +68,8 @@ def load_model(checkpoint_dir: Path, device, dtype: torch.dtype) -> Transformer:
         ) from None
     if config.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
+    if shard is not None:
+        shard(model)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -99,7 +102,7 @@ def setup_caches(model: Transformer, cache_kwargs: dict, prompt_length: int, max
     caches = create_caches(
         cache_kwargs,
         config.n_layer,
-        config.n_local_heads,
+        model.layers[0].attention.n_local_heads,  # this rank's KV heads under tensor parallel (tp.py)
         config.head_dim,
         prompt_length,
         max_new_tokens,
@@ -198,3 +201,58 @@ def generate(
         **cache_statistics(caches, seq_len),
     }
     return tokens, stats
+
+
+@torch.no_grad()
+def score_continuation(
+    model: Transformer,
+    prompt_ids: Tensor,
+    continuation_ids: Tensor,
+    cache_kwargs: dict,
+    steps: dict | None = None,
+) -> tuple[Tensor, dict]:
+    """Natural-log probabilities [C] of each continuation token, teacher-forced through the cache.
+
+    The prompt is prefilled as `generate` would (same `prefill_length` rule, any tail fed by decode
+    steps); then the continuation is fed one token at a time through decode steps, so the cache
+    strategy evicts exactly as it would while generating. Caches are sized for prompt +
+    continuation. Returns the log-probs (float32, on CPU) and the statistics `generate` reports.
+    """
+    steps = steps or STEPS
+    device = model.output.weight.device
+    prompt_ids = prompt_ids.reshape(-1).to(device)
+    continuation_ids = continuation_ids.reshape(-1).to(device)
+    prompt_length, n_cont = prompt_ids.numel(), continuation_ids.numel()
+    if prompt_length < 1 or n_cont < 1:
+        raise ValueError("score_continuation needs at least one prompt and one continuation token")
+    caches = setup_caches(model, cache_kwargs, prompt_length, n_cont)
+    n_prefill = prefill_length(prompt_length, caches, cache_kwargs.get("feed_long_prompts", False))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    start = time.perf_counter()
+    logits = steps["prefill"](model, prompt_ids[:n_prefill].view(1, -1), torch.arange(n_prefill, device=device))
+    for pos in range(n_prefill, prompt_length):  # teacher-force the prompt tail
+        logits = steps["decode"](model, prompt_ids[pos].view(1, 1), torch.tensor([pos], device=device))
+    logprobs = [torch.log_softmax(logits.float(), dim=-1)[0, continuation_ids[0]]]
+    sync()
+    prefill_time = time.perf_counter() - start
+
+    decode_start = time.perf_counter()
+    for i in range(n_cont - 1):
+        x = continuation_ids[i].view(1, 1)
+        logits = steps["decode"](model, x, torch.tensor([prompt_length + i], device=device))
+        logprobs.append(torch.log_softmax(logits.float(), dim=-1)[0, continuation_ids[i + 1]])
+    sync()
+    decode_time = time.perf_counter() - decode_start
+
+    seq_len = prompt_length + n_cont - 1  # tokens that passed through the cache
+    stats = {
+        "prompt_tokens": prompt_length,
+        "new_tokens": n_cont,
+        "prefill_time": prefill_time,
+        "decode_time": decode_time,
+        "prefill_tokens_per_s": prompt_length / prefill_time,
+        "decode_tokens_per_s": (n_cont - 1) / decode_time if n_cont > 1 else float("nan"),
+        **cache_statistics(caches, seq_len),
+    }
+    return torch.stack(logprobs).cpu(), stats

@@ -1,0 +1,158 @@
+"""benchmark.py: the grid plan and the targets arithmetic (fast), and a smoke run on the embedded model (slow).
+
+Speed itself is never asserted here: the targets are ratios printed by one benchmark run.
+"""
+
+import csv
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+import benchmark
+from benchmark import COLUMNS, Config, compute_targets, plan_configs
+
+ROOT = benchmark.Path(benchmark.__file__).resolve().parent
+
+
+def parsed(*argv: str):
+    args = benchmark.build_parser().parse_args(list(argv))
+    benchmark.resolve_options(args)
+    return args
+
+
+def test_default_plan_covers_every_issue_target():
+    args = parsed()
+    configs = set(plan_configs(args))
+    assert args.compare == "hf" and args.bound and args.target_contexts == [512, 4096, 8192]
+    for ctx in (512, 4096):
+        for dtype in ("bfloat16", "float32"):
+            for mode in ("eager", "compiled"):
+                assert Config("ours", "full", 1.0, ctx, dtype, mode, None) in configs
+    for strategy in ("recent_global", "l2", "heavy_hitter"):
+        assert Config("ours", strategy, 0.1, 4096, "bfloat16", "eager", None) in configs
+    assert Config("ours", "heavy_hitter", 0.1, 8192, "bfloat16", "eager", None) in configs
+    assert Config("ours", "full", 1.0, 8192, "bfloat16", "eager", None) in configs
+    assert Config("ours", "full", 1.0, 4096, "bfloat16", "eager", 4) in configs
+
+
+def test_grid_is_a_cartesian_product_and_full_ignores_budgets():
+    args = parsed(
+        "--strategies", "full", "l2", "--budgets", "1.0", "0.1", "0.2",
+        "--context_lengths", "64", "--dtypes", "float32", "--modes", "eager", "compiled", "--cache_bits", "none", "4",
+    )  # fmt: skip
+    configs = plan_configs(args)
+    assert args.compare == "none" and not args.bound
+    full = [c for c in configs if c.strategy == "full"]
+    l2 = [c for c in configs if c.strategy == "l2"]
+    assert len(full) == 2 * 2 and all(c.budget == 1.0 for c in full)  # modes x bits, once each
+    assert sorted({c.budget for c in l2}) == [0.1, 0.2] and len(l2) == 2 * 2 * 2
+    assert {c.compressor for c in l2} == {"l2"}
+    assert Config("ours", "recent_global", 0.1, 1, "float32", "eager", None).compressor == "recent_global"
+    assert Config("ours", "heavy_hitter", 0.1, 1, "float32", "eager", None).compressor == "heavy_hitter"
+
+
+def test_grid_flags_filter_the_target_plan():
+    args = parsed("--plan", "targets", "--modes", "eager", "--dtypes", "bfloat16", "--budgets", "0.1")
+    configs = plan_configs(args)
+    assert args.compare == "hf" and args.bound
+    assert {c.mode for c in configs} == {"eager"} and {c.dtype for c in configs} == {"bfloat16"}
+    assert Config("ours", "full", 1.0, 512, "bfloat16", "eager", None) in configs  # full has no budget to filter
+    assert Config("ours", "heavy_hitter", 0.1, 8192, "bfloat16", "eager", None) in configs
+    assert len(configs) == 2 + 3 + 2 + 1
+
+
+def test_quick_preset_and_explicit_flags():
+    args = parsed("--quick", "--strategies", "full", "--context_lengths", "48")
+    configs = plan_configs(args)
+    assert configs == [Config("ours", "full", 1.0, 48, "float32", "eager", None)]
+    assert args.target_contexts == [48, 48, 48] and args.decode_steps == benchmark.QUICK["decode_steps"]
+
+
+def row(**kw) -> dict:
+    base = {k: None for k in COLUMNS}
+    base.update(impl="ours", strategy="full", budget=1.0, context=512, dtype="bfloat16", mode="eager", error="")
+    base.update(decode_tok_s=10.0, prefill_tok_s=100.0, prefill_peak_mib=100.0, cache_mib=10.0, tokens_sha="a")
+    base.update(kw)
+    return base
+
+
+def by_what(targets) -> dict:
+    return {t["what"]: t for t in targets}
+
+
+def test_targets_are_ratios_of_this_runs_rows():
+    rows = [
+        row(impl="hf", strategy="dynamic", decode_tok_s=4.0, prefill_tok_s=50.0),
+        row(decode_tok_s=12.0, frac_of_bound=0.7),
+        row(mode="compiled", decode_tok_s=20.0, tokens_sha="b"),
+        row(context=4096, decode_tok_s=8.0, prefill_tok_s=60.0),
+        row(impl="hf", strategy="dynamic", context=4096, decode_tok_s=5.0, prefill_tok_s=50.0),
+        row(strategy="heavy_hitter", budget=0.1, context=4096, decode_tok_s=9.0, prefill_tok_s=30.0),
+        row(strategy="l2", budget=0.1, context=4096, decode_tok_s=12.0),
+        row(context=4096, cache_bits=4, cache_mib=2.5, decode_tok_s=6.0),
+        row(context=8192, prefill_peak_mib=200.0),
+        row(strategy="heavy_hitter", budget=0.1, context=8192, prefill_peak_mib=300.0),
+        row(strategy="recent_global", budget=0.1, context=4096, error="RuntimeError: boom"),
+    ]
+    targets = by_what(compute_targets(rows, 512, 4096, 8192))
+    t = targets["decode full @512 bfloat16 eager: ours/HF"]
+    assert t["value"] == pytest.approx(3.0) and t["passed"]
+    assert targets["decode full @512 bfloat16 compiled: ours/HF"]["value"] == pytest.approx(5.0)
+    assert targets["decode full @512 bfloat16 eager: fraction of bound"]["passed"]
+    assert not targets["decode full @4096 bfloat16 eager: ours/HF"]["passed"]  # 1.6 < 2
+    assert not targets["decode heavy_hitter 10% @4096 bfloat16 eager: / full"]["passed"]  # 1.125
+    assert targets["decode l2 10% @4096 bfloat16 eager: / full"]["value"] == pytest.approx(1.5)
+    assert not any("recent_global" in w for w in targets)  # failed rows are ignored
+    assert targets["prefill full @4096 bfloat16 eager: ours/HF"]["value"] == pytest.approx(1.2)
+    assert not targets["prefill heavy_hitter 0.1 @4096 bfloat16 eager: / full"]["passed"]  # 0.5
+    assert not targets["prefill peak memory heavy_hitter 0.1 @8192 bfloat16 eager: / full"]["passed"]  # 1.5
+    assert targets["cache memory 4-bit (bfloat16) / bfloat16, full @4096 eager"]["value"] == pytest.approx(0.25)
+    assert targets["decode 4-bit / unquantized, full @4096 bfloat16 eager"]["value"] == pytest.approx(0.75)
+    compiled = targets["decode compiled / eager, full 1 @512 bfloat16"]
+    assert compiled["value"] == pytest.approx(20 / 12) and compiled["passed"]
+    assert not targets["greedy tokens compiled == eager, full 1 @512 bfloat16"]["passed"]
+    text = benchmark.format_targets(list(targets.values()))
+    assert "[PASS]" in text and "[FAIL]" in text and "passed" in text
+
+
+def test_table_and_csv(tmp_path):
+    rows = [row(prefill_s=1.0, compile_s=None), row(strategy="l2", budget=0.1, error="ValueError: x")]
+    table = benchmark.format_table(rows)
+    assert "decode tok/s" in table and "error" in table.splitlines()[-1]
+    assert benchmark.format_table(rows, markdown=True).startswith("| impl |")
+    path = tmp_path / "out.csv"
+    benchmark.write_csv(path, rows)
+    with path.open() as f:
+        read = list(csv.DictReader(f))
+    assert list(read[0]) == COLUMNS and read[1]["error"] == "ValueError: x"
+
+
+@pytest.mark.slow
+def test_quick_run_writes_a_csv_of_positive_measurements(smollm2_checkpoint, tmp_path):
+    out, trace = tmp_path / "bench.csv", tmp_path / "trace.json"
+    cmd = [
+        sys.executable, str(ROOT / "benchmark.py"), "--quick", "--strategies", "full", "recent_global",
+        "--context_lengths", "48", "--decode_steps", "3", "--warmup", "1", "--device", "cpu",
+        "--checkpoint_path", str(smollm2_checkpoint), "--csv", str(out), "--profile", str(trace), "--profile_steps", "1",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "targets" in result.stdout and "prefill tok/s" in result.stdout
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == COLUMNS
+    assert [(r["strategy"], r["budget"], r["context"]) for r in rows] == [("full", "1.0", "48"), ("recent_global", "0.25", "48")]  # fmt: skip
+    for r in rows:
+        assert r["error"] == ""
+        for column in ("prefill_tok_s", "decode_tok_s", "decode_ms", "prefill_peak_mib", "peak_mem_mib", "cache_mib"):
+            value = float(r[column])
+            assert math.isfinite(value) and value > 0, (column, r[column])
+        assert int(r["decode_steps"]) == 3
+    full, compressed = rows
+    assert float(compressed["cache_mib"]) < float(full["cache_mib"])
+    assert 0 < float(compressed["compression_ratio"]) < 1
+    traces = list(tmp_path.glob("trace.*.json"))
+    assert len(traces) == 2 and "traceEvents" in json.loads(traces[0].read_text())

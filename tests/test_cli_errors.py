@@ -1,0 +1,184 @@
+"""Bad input to generate.py: each is one line on stderr starting with "error:", a non-zero exit, no
+traceback, and (except a corrupt checkpoint, which can only be found by reading it) no model load.
+
+Most cases call `generate.main(argv)` in-process with `load_model` replaced by a tripwire, which is
+fast and proves the error comes before the weights are read; a few run `python generate.py` in real
+subprocesses to check the command line end to end (exit status, stderr, no traceback).
+"""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import generate
+from generation import DEFAULT_CHECKPOINT
+
+ROOT = generate.PROMPT_DIR.parent
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class ModelLoaded(Exception):
+    pass
+
+
+def _tripwire(*args, **kwargs):
+    raise ModelLoaded("load_model was called: the error must come before the model loads")
+
+
+def run_main(argv, capsys, monkeypatch, allow_load=False):
+    """Runs generate.main(argv); returns (exit status, stderr) of the SystemExit it must raise."""
+    if not allow_load:
+        monkeypatch.setattr(generate, "load_model", _tripwire)
+    with pytest.raises(SystemExit) as exc:
+        generate.main(argv)
+    code = exc.value.code
+    err = capsys.readouterr().err
+    if isinstance(code, str):  # sys.exit("message"): the interpreter prints it to stderr, status 1
+        err, code = err + code + "\n", 1
+    return code, err
+
+
+def assert_one_line_error(code, err, expected):
+    assert code not in (0, None), f"exit status {code!r}"
+    assert "Traceback" not in err
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1, f"expected one line, got:\n{err}"
+    assert lines[0].startswith("error:"), lines[0]
+    assert expected in lines[0], f"{expected!r} not in {lines[0]!r}"
+
+
+@pytest.fixture
+def malformed_yaml(tmp_path):
+    path = tmp_path / "malformed.yaml"
+    path.write_text("cache_strategy: [heavy_hitter\nglobal_tokens: : 4\n")
+    return path
+
+
+@pytest.fixture
+def unknown_key_yaml(tmp_path):
+    path = tmp_path / "unknown_key.yaml"
+    path.write_text("cache_strategy: [l2]\nlearning_rate: 0.1\n")
+    return path
+
+
+CACHE_CASES = {
+    "unknown_strategy": (["--cache_strategy", "nope"], "unknown cache strategy 'nope'"),
+    "unknown_compressor": (["--prompt_compression_strategy", "nope"], "unknown prompt compression strategy 'nope'"),
+    "full_below_one": (["--cache_strategy", "full", "--max_cache_length", "0.5"], "full cache"),
+    "full_absolute": (["--cache_strategy", "full", "--max_cache_length", "64"], "full cache"),
+    "full_pyramid": (["--cache_strategy", "full", "--cache_length_pattern", "pyramid"], "full cache"),
+    "global_exceeds_cache": (
+        ["--max_cache_length", "16", "--global_tokens", "32", "--cache_strategy", "recent_global"],
+        "--global_tokens 32 exceeds a cache of 16 slots",
+    ),
+    "head_specific_compressor": (
+        ["--cache_strategy", "recent_global", "--prompt_compression_strategy", "l2"],
+        "keeps different tokens per head",
+    ),
+    "cache_bits_3": (["--cache_bits", "3"], "--cache_bits 3 is not supported"),
+    "lengths_not_dividing_layers": (
+        ["--cache_strategy", "l2", "--max_cache_length", "0.5", "0.5", "0.5", "0.5"],
+        "do not divide the 30 layers",
+    ),
+    "strategies_not_dividing_layers": (
+        ["--cache_strategy", "l2", "random", "keep_it_odd", "recent_global"],
+        "do not divide the 30 layers",
+    ),
+    "missing_preset": (["--cache_config", "nope"], "cache config 'nope' not found"),
+    "preset_name_escaping_cache_configs": (["--cache_config", "../pyproject"], "outside"),
+}
+
+
+@pytest.mark.parametrize("argv,expected", CACHE_CASES.values(), ids=CACHE_CASES.keys())
+def test_bad_cache_arguments(argv, expected, capsys, monkeypatch):
+    assert_one_line_error(*run_main(argv, capsys, monkeypatch), expected)
+
+
+def test_malformed_preset(malformed_yaml, capsys, monkeypatch):
+    code, err = run_main(["--cache_config", str(malformed_yaml)], capsys, monkeypatch)
+    assert_one_line_error(code, err, "is not valid YAML")
+
+
+def test_preset_with_unknown_key(unknown_key_yaml, capsys, monkeypatch):
+    code, err = run_main(["--cache_config", str(unknown_key_yaml)], capsys, monkeypatch)
+    assert_one_line_error(code, err, "'learning_rate' is not a cache argument")
+
+
+def test_preset_with_bad_values_is_checked(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "bad_values.yaml"
+    path.write_text("cache_strategy: heavy_hitter\nprompt_compression_strategy: nope\n")
+    code, err = run_main(["--cache_config", str(path)], capsys, monkeypatch)
+    assert_one_line_error(code, err, "unknown prompt compression strategy 'nope'")
+
+
+@pytest.fixture
+def truncated_checkpoint(tmp_path):
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+    folder.mkdir()
+    for name in ("config.json", *TOKENIZER_FILES):
+        shutil.copy(DEFAULT_CHECKPOINT / name, folder / name)
+    with (DEFAULT_CHECKPOINT / "model.pth").open("rb") as f:
+        (folder / "model.pth").write_bytes(f.read(1 << 20))
+    return folder
+
+
+@pytest.fixture
+def unknown_model_checkpoint(tmp_path):
+    """Weights and tokenizer but no config.json, in a folder whose name matches no known config."""
+    folder = tmp_path / "mystery-model-7b"
+    folder.mkdir()
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_CHECKPOINT / name, folder / name)
+    (folder / "model.pth").write_bytes(b"not loaded")
+    return folder
+
+
+def test_missing_checkpoint_names_prepare(tmp_path, capsys, monkeypatch):
+    argv = ["--checkpoint_path", str(tmp_path / "SmolLM2-135M-Instruct")]
+    assert_one_line_error(*run_main(argv, capsys, monkeypatch), "prepare")
+
+
+def test_truncated_checkpoint(truncated_checkpoint, capsys, monkeypatch):
+    argv = ["--checkpoint_path", str(truncated_checkpoint), "--device", "cpu"]
+    assert_one_line_error(*run_main(argv, capsys, monkeypatch, allow_load=True), "corrupt or truncated")
+
+
+def test_config_name_matching_no_model(unknown_model_checkpoint, capsys, monkeypatch):
+    argv = ["--checkpoint_path", str(unknown_model_checkpoint)]
+    assert_one_line_error(*run_main(argv, capsys, monkeypatch), "no model config matches 'mystery-model-7b'")
+
+
+INPUT_CASES = {
+    "empty_prompt": (["--prompt", ""], "the prompt is empty"),
+    "blank_prompt": (["--prompt", "  \n "], "the prompt is empty"),
+    "missing_prompt_file": (["--prompt", "nope.txt"], "prompt file 'nope.txt' not found"),
+    "prompt_longer_than_context": (["--max_new_tokens", "9000"], "exceeds the model's context of 8192"),
+    "device": (["--device", "nonsense"], "device 'nonsense'"),
+    "dtype": (["--dtype", "nonsense"], "unknown dtype 'nonsense'"),
+    "max_new_tokens_zero": (["--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
+}
+
+
+@pytest.mark.parametrize("argv,expected", INPUT_CASES.values(), ids=INPUT_CASES.keys())
+def test_bad_inputs(argv, expected, capsys, monkeypatch):
+    assert_one_line_error(*run_main(argv, capsys, monkeypatch), expected)
+
+
+def test_command_line_end_to_end(malformed_yaml, tmp_path):
+    """Real `python generate.py` processes (run concurrently): exit status, one stderr line, no traceback."""
+    cases = [  # one per exit path: parser.exit (presets) and sys.exit (everything else)
+        (["--cache_config", str(malformed_yaml)], "is not valid YAML"),
+        (["--checkpoint_path", str(tmp_path / "missing"), "--cache_strategy", "nope"], "prepare"),
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "generate.py", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for argv, _ in cases
+    ]
+    for proc, (_, expected) in zip(procs, cases):
+        out, err = proc.communicate(timeout=120)
+        assert out == ""
+        assert_one_line_error(proc.returncode, err, expected)
