@@ -138,6 +138,38 @@ def compile_steps(model_fns: dict) -> dict:
 STEPS = {"prefill": prefill, "decode": decode_one_token}
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill_prompt(model: Transformer, prompt_ids: Tensor, new_tokens: int, cache_kwargs: dict, steps: dict):
+    """Sizes the caches, prefills the prompt and teacher-forces any tail; returns (last logits, caches, seconds)."""
+    device = model.output.weight.device
+    prompt_length = prompt_ids.numel()
+    caches = setup_caches(model, cache_kwargs, prompt_length, new_tokens)
+    n_prefill = prefill_length(prompt_length, caches, cache_kwargs.get("feed_long_prompts", False))
+    start = time.perf_counter()
+    logits = steps["prefill"](model, prompt_ids[:n_prefill].view(1, -1), torch.arange(n_prefill, device=device))
+    for pos in range(n_prefill, prompt_length):
+        logits = steps["decode"](model, prompt_ids[pos].view(1, 1), torch.tensor([pos], device=device))
+    synchronize(device)
+    return logits, caches, time.perf_counter() - start
+
+
+def run_statistics(prompt_length: int, new_tokens: int, prefill_time: float, decode_time: float, caches) -> dict:
+    """Speed and cache statistics of one run; n = prompt + new - 1 tokens passed through the cache."""
+    return {
+        "prompt_tokens": prompt_length,
+        "new_tokens": new_tokens,
+        "prefill_time": prefill_time,
+        "decode_time": decode_time,
+        "prefill_tokens_per_s": prompt_length / prefill_time,
+        "decode_tokens_per_s": (new_tokens - 1) / decode_time if new_tokens > 1 else float("nan"),
+        **cache_statistics(caches, prompt_length + new_tokens - 1),
+    }
+
+
 @torch.no_grad()
 def generate(
     model: Transformer,
@@ -156,20 +188,10 @@ def generate(
     """
     steps = steps or STEPS
     device = model.output.weight.device
-    prompt_ids = prompt_ids.to(device)
+    prompt_ids = prompt_ids.reshape(-1).to(device)
     prompt_length = prompt_ids.numel()
-    caches = setup_caches(model, cache_kwargs, prompt_length, max_new_tokens)
-    n_prefill = prefill_length(prompt_length, caches, cache_kwargs.get("feed_long_prompts", False))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    start = time.perf_counter()
-    logits = steps["prefill"](model, prompt_ids[:n_prefill].view(1, -1), torch.arange(n_prefill, device=device))
-    for pos in range(n_prefill, prompt_length):  # teacher-force the prompt tail
-        x = prompt_ids[pos].view(1, 1)
-        logits = steps["decode"](model, x, torch.tensor([pos], device=device))
+    logits, caches, prefill_time = prefill_prompt(model, prompt_ids, max_new_tokens, cache_kwargs, steps)
     next_token = sample(logits, temperature, top_k)
-    sync()
-    prefill_time = time.perf_counter() - start
 
     new_tokens = [next_token.view(1)]
     terminators = torch.tensor(list(terminator_ids) or [-1], device=device)
@@ -186,21 +208,10 @@ def generate(
         if callback:
             callback(int(next_token))
         done = bool(torch.isin(next_token, terminators))
-    sync()
+    synchronize(device)
     decode_time = time.perf_counter() - decode_start
-
     tokens = torch.cat(new_tokens)
-    seq_len = prompt_length + len(tokens) - 1
-    stats = {
-        "prompt_tokens": prompt_length,
-        "new_tokens": len(tokens),
-        "prefill_time": prefill_time,
-        "decode_time": decode_time,
-        "prefill_tokens_per_s": prompt_length / prefill_time,
-        "decode_tokens_per_s": (len(tokens) - 1) / decode_time if len(tokens) > 1 else float("nan"),
-        **cache_statistics(caches, seq_len),
-    }
-    return tokens, stats
+    return tokens, run_statistics(prompt_length, len(tokens), prefill_time, decode_time, caches)
 
 
 @torch.no_grad()
@@ -213,10 +224,9 @@ def score_continuation(
 ) -> tuple[Tensor, dict]:
     """Natural-log probabilities [C] of each continuation token, teacher-forced through the cache.
 
-    The prompt is prefilled as `generate` would (same `prefill_length` rule, any tail fed by decode
-    steps); then the continuation is fed one token at a time through decode steps, so the cache
-    strategy evicts exactly as it would while generating. Caches are sized for prompt +
-    continuation. Returns the log-probs (float32, on CPU) and the statistics `generate` reports.
+    The prompt is prefilled as `generate` would; then the continuation is fed one token at a time
+    through decode steps, so the cache strategy evicts exactly as it would while generating.
+    Returns the log-probs (float32, on CPU) and the statistics `generate` reports.
     """
     steps = steps or STEPS
     device = model.output.weight.device
@@ -225,34 +235,13 @@ def score_continuation(
     prompt_length, n_cont = prompt_ids.numel(), continuation_ids.numel()
     if prompt_length < 1 or n_cont < 1:
         raise ValueError("score_continuation needs at least one prompt and one continuation token")
-    caches = setup_caches(model, cache_kwargs, prompt_length, n_cont)
-    n_prefill = prefill_length(prompt_length, caches, cache_kwargs.get("feed_long_prompts", False))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    start = time.perf_counter()
-    logits = steps["prefill"](model, prompt_ids[:n_prefill].view(1, -1), torch.arange(n_prefill, device=device))
-    for pos in range(n_prefill, prompt_length):  # teacher-force the prompt tail
-        logits = steps["decode"](model, prompt_ids[pos].view(1, 1), torch.tensor([pos], device=device))
+    logits, caches, prefill_time = prefill_prompt(model, prompt_ids, n_cont, cache_kwargs, steps)
     logprobs = [torch.log_softmax(logits.float(), dim=-1)[0, continuation_ids[0]]]
-    sync()
-    prefill_time = time.perf_counter() - start
-
     decode_start = time.perf_counter()
     for i in range(n_cont - 1):
         x = continuation_ids[i].view(1, 1)
         logits = steps["decode"](model, x, torch.tensor([prompt_length + i], device=device))
         logprobs.append(torch.log_softmax(logits.float(), dim=-1)[0, continuation_ids[i + 1]])
-    sync()
+    synchronize(device)
     decode_time = time.perf_counter() - decode_start
-
-    seq_len = prompt_length + n_cont - 1  # tokens that passed through the cache
-    stats = {
-        "prompt_tokens": prompt_length,
-        "new_tokens": n_cont,
-        "prefill_time": prefill_time,
-        "decode_time": decode_time,
-        "prefill_tokens_per_s": prompt_length / prefill_time,
-        "decode_tokens_per_s": (n_cont - 1) / decode_time if n_cont > 1 else float("nan"),
-        **cache_statistics(caches, seq_len),
-    }
-    return torch.stack(logprobs).cpu(), stats
+    return torch.stack(logprobs).cpu(), run_statistics(prompt_length, n_cont, prefill_time, decode_time, caches)

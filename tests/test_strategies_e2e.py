@@ -162,8 +162,8 @@ def test_4bit_cache_memory_counts_packed_bytes(model_bf16, short_prompt_ids, tok
     assert plain["cache_memory_bytes"] == config.n_layer * (expected_layer_bytes("l2", cache_len, config.n_local_heads, config.head_dim, 2) + norms)  # fmt: skip
     per_layer = slots * config.head_dim // 2 * 2 + 4 * slots * 2 + slots * 4 + norms  # codes, scales/zeros, pos, norms
     assert packed["cache_memory_bytes_per_layer"] == [per_layer] * config.n_layer
-    n = short_prompt_ids.numel() + len(tokens) - 1
-    assert packed["compression_ratio"] == pytest.approx((n - cache_len / 4) / n)
+    n = short_prompt_ids.numel() + len(tokens) - 1  # every token that passed through is kept, at 4 of 16 bits
+    assert packed["compression_ratio"] == pytest.approx((n - n * 4 / 16) / n)
 
 
 # -- tiny model: compressed generation and compile ---------------------------------------------------
