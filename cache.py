@@ -710,7 +710,7 @@ def check_compatibility(cache_kwargs: dict, n_layer: int | None = None, compile:
         for policy in cache_kwargs.get("hybrid_strategies") or FASTGEN_STRATEGIES:
             parse_hybrid_policy(policy)
     absolute = [v for v in lengths if v > 1]
-    if absolute and cache_kwargs["global_tokens"] > min(absolute):
+    if absolute and cache_kwargs["global_tokens"] >= min(absolute):
         raise ValueError(
             f"--global_tokens {cache_kwargs['global_tokens']} exceeds a cache of {int(min(absolute))} slots"
         )
@@ -729,7 +729,7 @@ def check_cache_lengths(cache_kwargs: dict, n_layer: int, prompt_length: int, ma
     lengths = layer_cache_lengths(cache_kwargs, n_layer, prompt_length, max_new_tokens)
     prefilled = min(prompt_length, min(lengths)) if cache_kwargs.get("feed_long_prompts") else prompt_length
     for length, (_, compressor) in zip(lengths, layer_strategies(cache_kwargs, n_layer)):
-        if length < cache_kwargs["global_tokens"]:
+        if length <= cache_kwargs["global_tokens"]:
             raise ValueError(f"--global_tokens {cache_kwargs['global_tokens']} exceeds a cache of {length} slots")
         if compressor == "full" and prefilled > length:
             raise ValueError(
@@ -754,7 +754,7 @@ def create_caches(
     seq_len = prompt_length + max_new_tokens
     caches = []
     for length, (strategy, compressor) in zip(lengths, layer_strategies(cache_kwargs, n_layer)):
-        if length < cache_kwargs["global_tokens"]:
+        if length <= cache_kwargs["global_tokens"]:
             raise ValueError(f"--global_tokens {cache_kwargs['global_tokens']} exceeds a cache of {length} slots")
         kwargs = {k: v for k, v in cache_kwargs.items() if k in CACHE_ARGUMENT_NAMES and k != "max_cache_length"}
         kwargs["prompt_compressor"] = get_prompt_compressor(compressor)(

@@ -39,7 +39,14 @@ from pathlib import Path
 
 import torch
 
-from cache import add_cache_arguments, check_compatibility, parse_args_with_cache_config, relevant_kwargs
+from cache import (
+    add_cache_arguments,
+    add_token_ids,
+    check_cache_lengths,
+    check_compatibility,
+    parse_args_with_cache_config,
+    relevant_kwargs,
+)
 from generation import (
     DEFAULT_CHECKPOINT,
     STEPS,
@@ -455,10 +462,11 @@ def prepare(args):
     tasks = resolve_tasks(args)
     config = checkpoint_config(args.checkpoint_path)
     cache_kwargs = dict(vars(args))
-    check_compatibility(cache_kwargs, config.n_layer)
+    check_compatibility(cache_kwargs, config.n_layer, compile=args.compile)
     folder = args.out_dir / Path(args.checkpoint_path).name / config_folder_name(cache_kwargs)
     prepare_out_dir(folder)
     tokenizer = get_tokenizer(args.checkpoint_path)
+    cache_kwargs = add_token_ids(cache_kwargs, tokenizer)
     chat = not args.no_chat_template and tokenizer.is_chat
     overhead = len(tokenizer.encode(tokenizer.apply_chat_template(""))) + 8 if chat else 1
     prepared = []
@@ -467,6 +475,8 @@ def prepare(args):
         samples = task.samples(tokenizer, budget, args.num_samples, args.seed, args.data_dir)
         if not samples:
             raise EvalError(f"task '{label}': no sample fits the model's context of {config.block_size} tokens")
+        for sample in samples:  # cache sizes depend on each prompt: check them before the model loads
+            check_cache_lengths(cache_kwargs, config.n_layer, sample.prompt_tokens, max(1, task.max_new_tokens))
         prepared.append((label, task, samples))
     return device, dtype, config, cache_kwargs, folder, tokenizer, chat, prepared
 

@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 
 import tp
-from cache import add_cache_arguments, add_token_ids, check_compatibility, parse_args_with_cache_config
+from cache import (
+    add_cache_arguments,
+    add_token_ids,
+    check_cache_lengths,
+    check_compatibility,
+    parse_args_with_cache_config,
+)
 from generation import (
     DEFAULT_CHECKPOINT,
     STEPS,
@@ -123,6 +129,7 @@ def main(argv=None) -> None:
                 f"prompt of {prompt_ids.numel()} tokens + {args.max_new_tokens} new tokens exceeds the model's "
                 f"context of {config.block_size}; shorten the prompt or lower --max_new_tokens"
             )
+        check_cache_lengths(cache_kwargs, config.n_layer, prompt_ids.numel(), args.max_new_tokens)
         shard = tp.apply_tp if tp.maybe_init_dist(device) is not None else None
         model = load_model(args.checkpoint_path, device, dtype, shard=shard)
     except (ValueError, CheckpointError, FileNotFoundError) as e:

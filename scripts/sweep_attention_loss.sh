@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2086  # the space-separated lists are split on purpose
+# shellcheck source-path=SCRIPTDIR
 # Attention loss: each debug_<strategy> attends with the full cache while simulating <strategy> at
 # each budget, and records the attention mass that falls on tokens <strategy> would have evicted
 # (SPEC section 4). Outputs are the full cache's; the statistics are the simulated cache's.
@@ -9,6 +10,7 @@
 #   (plot one prompt's loss curves with scripts/plot_attention_loss.py)
 #
 # See sweep_lib.sh for TASKS, BUDGETS, NUM_SAMPLES, SEQ_LENGTH, OUT_DIR, PYTHON and DRY_RUN.
+# shellcheck source=sweep_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/sweep_lib.sh"
 SWEEP_EXTRA=("$@")
 STRATEGIES=${STRATEGIES:-"recent_global random l2 heavy_hitter keep_it_odd"}

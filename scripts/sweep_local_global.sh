@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2086  # the space-separated lists are split on purpose
+# shellcheck source-path=SCRIPTDIR
 # Multi-strategy local/global: some layers keep the full cache (global), the others a compressed
 # local one, alternating layer by layer (repeat) or the lower half full, the upper half local (tile).
 #
@@ -9,6 +10,7 @@
 # LOCAL_STRATEGIES are cache strategies for the local layers (each with its natural prompt
 # compressor); LAYOUTS are repeat and/or tile (the model's layer count must be even).
 # See sweep_lib.sh for TASKS, BUDGETS, NUM_SAMPLES, SEQ_LENGTH, OUT_DIR, PYTHON and DRY_RUN.
+# shellcheck source=sweep_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/sweep_lib.sh"
 SWEEP_EXTRA=("$@")
 LOCAL_STRATEGIES=${LOCAL_STRATEGIES:-"recent_global heavy_hitter"}

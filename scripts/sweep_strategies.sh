@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2086  # the space-separated lists are split on purpose
+# shellcheck source-path=SCRIPTDIR
 # Strategies x budgets x tasks, plus the full-cache baseline: the main comparison grid.
 #
 #   bash scripts/sweep_strategies.sh --checkpoint_path checkpoints/SmolLM2-135M-Instruct
@@ -10,6 +11,7 @@
 #
 # STRATEGIES are presets in cache_configs/ (each its own prompt compressor). See sweep_lib.sh for
 # TASKS, BUDGETS, NUM_SAMPLES, SEQ_LENGTH, OUT_DIR, PYTHON and DRY_RUN.
+# shellcheck source=sweep_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/sweep_lib.sh"
 SWEEP_EXTRA=("$@")
 STRATEGIES=${STRATEGIES:-"recent_global random l2 heavy_hitter keep_it_odd"}

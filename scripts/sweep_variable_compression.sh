@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2086  # the space-separated lists are split on purpose
+# shellcheck source-path=SCRIPTDIR
 # Variable per-layer compression: the same average budget spread evenly over layers (tile), with
 # larger caches in lower layers (pyramid, PyramidKV), or in upper layers (funnel).
 #
@@ -8,6 +9,7 @@
 #
 # STRATEGIES are presets in cache_configs/; PATTERNS are --cache_length_pattern values.
 # See sweep_lib.sh for TASKS, BUDGETS, NUM_SAMPLES, SEQ_LENGTH, OUT_DIR, PYTHON and DRY_RUN.
+# shellcheck source=sweep_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/sweep_lib.sh"
 SWEEP_EXTRA=("$@")
 STRATEGIES=${STRATEGIES:-"heavy_hitter"}

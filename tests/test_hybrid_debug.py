@@ -166,4 +166,6 @@ def test_attention_loss_plot_has_one_labelled_line_per_strategy(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "recent_global: mean attention loss" in result.stdout and "heavy_hitter: mean attention loss" in result.stdout
+    assert (
+        "recent_global: mean attention loss" in result.stdout and "heavy_hitter: mean attention loss" in result.stdout
+    )
