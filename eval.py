@@ -70,6 +70,7 @@ STAT_COLUMNS = [
     "cache_memory_bytes",
     "prefill_tokens_per_s",
     "decode_tokens_per_s",
+    "attention_loss",  # debug_<strategy> runs only
     "seconds",
 ]
 # `logprobs`: the option log-likelihoods (multiple choice) or the token log-probs (perplexity).

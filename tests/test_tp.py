@@ -63,7 +63,7 @@ def tiny_checkpoint(smollm2_checkpoint, tmp_path_factory) -> Path:
 
 def torchrun(*args: str, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *args]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
