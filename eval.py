@@ -31,7 +31,6 @@ import json
 import math
 import os
 import re
-import resource
 import sys
 import time
 import zlib
@@ -55,6 +54,7 @@ from generation import (
     compile_steps,
     generate,
     load_model,
+    peak_memory_bytes,
     resolve_device,
     resolve_dtype,
     score_continuation,
@@ -443,12 +443,6 @@ def task_metrics(task, samples, rows: dict[str, dict]) -> dict:
         "metrics": metrics,
         "statistics": {k: mean([r[k] for r in chosen]) for k in STAT_COLUMNS},
     }
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ---- main -----------------------------------------------------------------------------------

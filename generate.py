@@ -9,7 +9,6 @@ import argparse
 import csv
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from generation import (
     compile_steps,
     generate,
     load_model,
+    peak_memory_bytes,
     resolve_device,
     resolve_dtype,
 )
@@ -69,13 +69,6 @@ def read_prompt(prompt: str) -> str:
     if not prompt.strip():
         raise ValueError("the prompt is empty; pass --prompt TEXT or --prompt NAME.txt")
     return prompt
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """GPU allocator peak on CUDA, process peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def print_statistics(stats: dict) -> None:

@@ -1,5 +1,6 @@
 """Prefill-then-decode loop, cache setup and compile: shared by generate.py, eval.py and benchmark.py."""
 
+import resource
 import time
 from pathlib import Path
 
@@ -142,6 +143,13 @@ def compile_steps(model_fns: dict) -> dict:
 
 
 STEPS = {"prefill": prefill, "decode": decode_one_token}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """GPU allocator peak on CUDA, process peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def synchronize(device: torch.device) -> None:
