@@ -384,8 +384,9 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
         steps = compile_steps(STEPS)
     else:
         steps = STEPS
+    n_warm = max(args.warmup, 1) if compiled else args.warmup  # a compiled row's first step compiles
     n_profile = args.profile_steps if profile_to else 0
-    n_decode = args.warmup + args.decode_steps + n_profile
+    n_decode = n_warm + args.decode_steps + n_profile
     ctx = prompt.numel()
     caches = setup_caches(model, cache_kwargs, ctx, n_decode + 1)
     row["cache_slots"] = min(c.max_cache_length for c in caches)
@@ -423,13 +424,13 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
     row["mem_method"] = meter.method
 
     tokens, times, cpu_times = [int(token)], [], []
-    for i, pos in enumerate(decode_pos[: args.warmup + args.decode_steps]):
+    for i, pos in enumerate(decode_pos[: n_warm + args.decode_steps]):
         synchronize(device)
         start, cpu_start = time.perf_counter(), time.process_time()
         token = sample(steps["decode"](model, token.view(1, 1), pos))
         synchronize(device)
         elapsed = time.perf_counter() - start
-        if i < args.warmup:
+        if i < n_warm:
             compile_s += elapsed if compiled and i == 0 else 0.0
         else:
             times.append(elapsed)
@@ -450,7 +451,7 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
         state = {"token": token}
 
         def profiled_steps():
-            for pos in decode_pos[args.warmup + args.decode_steps :]:
+            for pos in decode_pos[n_warm + args.decode_steps :]:
                 state["token"] = sample(steps["decode"](model, state["token"].view(1, 1), pos))
 
         profile_decode(profiled_steps, device, profile_to, args.profile_rows)
@@ -467,6 +468,7 @@ def fill_decode_timing(row: dict, times: list[float], cpu_times: list[float]) ->
     row["decode_cpu_ms"] = statistics.median(cpu_times) * 1000
 
 
+@torch.no_grad()
 def warm_up_ours(model, device) -> None:
     """One short prefill + decode per loaded model, so the first row does not pay one-time setup."""
     kwargs = default_cache_kwargs()
@@ -562,6 +564,7 @@ def run_hf(model, cfg: Config, prompt: torch.Tensor, args, device) -> dict:
     return row
 
 
+@torch.no_grad()
 def warm_up_hf(model, device) -> None:
     cache = new_hf_cache(model)
     ids = torch.zeros(1, 64, dtype=torch.long, device=device)
