@@ -310,14 +310,16 @@ def prefill_attention_received(query: Tensor, k: Tensor, thresholding: bool = Fa
     received = torch.zeros(bsz, n_kv, seqlen, device=k.device)
     chunk = max(1, PREFILL_CHUNK_ELEMENTS // (n_head * seqlen))
     key_pos = torch.arange(seqlen, device=k.device)
+    keys_t = k.float().unsqueeze(2).transpose(-1, -2) / math.sqrt(head_dim)
     for start in range(0, seqlen, chunk):
         rows = key_pos[start : start + chunk]
-        scores = q[:, :, :, rows].float() @ k.float().unsqueeze(2).transpose(-1, -2) / math.sqrt(head_dim)
-        visible = key_pos.view(1, -1) <= rows.view(-1, 1)
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        end = start + len(rows)  # a chunk's queries see no key past its last row
+        scores = q[:, :, :, start:end].float() @ keys_t[..., :end]
+        visible = key_pos[:end].view(1, -1) <= rows.view(-1, 1)
+        probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1)
         if thresholding:
             probs = (probs >= 1.0 / (rows + 1).view(-1, 1).float()).float() * visible
-        received += probs.mean(dim=2).sum(dim=2)
+        received[..., :end] += probs.mean(dim=2).sum(dim=2)
     return received / (seqlen - key_pos).float()
 
 

@@ -89,7 +89,7 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -
 
 def prefill(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor:
     """Logits [B, vocab] of the last prompt position."""
-    return model(x, input_pos, is_prefill=True)[:, -1]
+    return model(x, input_pos, is_prefill=True, last_only=True)[:, -1]
 
 
 def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor:

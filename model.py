@@ -202,12 +202,18 @@ class Transformer(nn.Module):
             max_seq_length, self.config.head_dim, self.config.rope_base, self.config.rope_scaling
         ).to(device)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, is_prefill: bool = False) -> Tensor:
-        """idx [B, T] at positions input_pos [T]; returns logits [B, T, vocab] in float32."""
+    def forward(self, idx: Tensor, input_pos: Tensor, is_prefill: bool = False, last_only: bool = False) -> Tensor:
+        """idx [B, T] at positions input_pos [T]; returns logits [B, T, vocab] in float32.
+
+        `last_only` projects only the last position: prefill needs no more, and the T x vocab
+        logits would dominate its memory.
+        """
         freqs_cis = self.freqs_cis[input_pos]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, input_pos, freqs_cis, is_prefill, idx)
+        if last_only:
+            x = x[:, -1:]
         return self.output(self.norm(x)).float()
 
     @classmethod
