@@ -13,7 +13,8 @@ are measured at each budget other than 1.0. Prompts are random token ids (seeded
 the greedy token.
 
 Measured per row (see BENCHMARK.md for the column reference):
-* prefill: one pass over the whole context (+ the first greedy token), wall time after warm-up;
+* prefill: one pass over the whole context (+ the first greedy token), wall time of the pass after
+  an untimed one at the same length (which compiles, or pays first-touch page faults);
 * decode: per-step wall time of decode + greedy pick, synchronised on CUDA; median over the
   steps after `--warmup`; tokens/s = 1 / median;
 * memory: on CPU the process resident set: the peak is reset before the timed prefill through
@@ -171,7 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=Path, default=None, help="write a torch profiler chrome trace of decode steps")
     p.add_argument("--profile_steps", type=int, default=5)
     p.add_argument("--profile_rows", type=int, default=15, help="rows of the printed profiler summary")
-    p.add_argument("--freezing", action="store_true", help="compiled mode: torch._inductor.config.freezing = True")
     p.add_argument("--target_contexts", nargs=3, type=int, default=None, metavar=("SHORT", "LONG", "MEMORY"),
                    help="contexts the targets refer to (default 512 4096 8192)")  # fmt: skip
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT)
@@ -402,14 +402,14 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
             logits = steps["decode"](model, prompt[n_prefill + i].view(1, 1), pos)
         return sample(logits)
 
-    compile_s = 0.0
-    if compiled:  # compile prefill at the real shapes, then start again from empty caches
-        start = time.perf_counter()
-        do_prefill()
-        synchronize(device)
-        compile_s += time.perf_counter() - start
-        for c in caches:
-            c.reset()
+    # One untimed prefill at the real length (compiling it in compiled mode; first-touch page
+    # faults otherwise), then start again from empty caches.
+    start = time.perf_counter()
+    do_prefill()
+    synchronize(device)
+    compile_s = time.perf_counter() - start
+    for c in caches:
+        c.reset()
 
     cache_bytes = sum(b.numel() * b.element_size() for c in caches for b in c.buffers())
     meter = MemoryMeter(device)
@@ -534,6 +534,7 @@ def run_hf(model, cfg: Config, prompt: torch.Tensor, args, device) -> dict:
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float().argmax(dim=-1, keepdim=True)
 
+    step(prompt, new_hf_cache(model))  # untimed, as for ours
     meter = MemoryMeter(device)
     meter.start()
     synchronize(device)
@@ -577,7 +578,11 @@ def warm_up_hf(model, device) -> None:
 
 # ------------------------------------------------------------------------------------ bound
 def measure_bandwidth(device, dtype: torch.dtype, mib: int, reps: int = 8) -> float:
-    """Bytes/s one large matrix-vector product streams (the machine's practical memory bandwidth)."""
+    """Bytes/s one large matrix-vector product streams (the machine's practical memory bandwidth).
+
+    Probed in float32 as well as the benchmarked dtypes: a bfloat16 mat-vec on CPU is compute-bound
+    (about half the float32 rate here), which would understate the memory bandwidth.
+    """
     cols = 4096
     rows = max(1, mib * MIB // (cols * torch.finfo(dtype).bits // 8))
     w = torch.full((rows, cols), 0.01, dtype=dtype, device=device)
@@ -607,7 +612,7 @@ def run_grid(args, configs: list[Config], device) -> tuple[list[dict], dict]:
         return prompts[ctx]
 
     if args.bound:
-        dtypes = sorted({c.dtype for c in configs})
+        dtypes = sorted({c.dtype for c in configs} | {"float32"})
         info["bandwidth_gbs"] = {d: measure_bandwidth(device, resolve_dtype(d), args.bound_mib) / 1e9 for d in dtypes}
         print("bandwidth (GB/s, mat-vec):", ", ".join(f"{d} {v:.1f}" for d, v in info["bandwidth_gbs"].items()))
 
@@ -863,8 +868,6 @@ def main(argv=None) -> list[dict]:
         sys.exit(f"error: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.freezing:
-        torch._inductor.config.freezing = True
     torch.manual_seed(args.seed)
 
     load = f"; load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""

@@ -13,18 +13,19 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import yaml
 from torch import Tensor
 
 from model import attention_with_probs
 from prompt_compression import get_prompt_compressor, prompt_compressor_is_head_specific
-from quantization_utils import SUPPORTED_BITS, dequantize, packed_dim, quantize
+from quantization_utils import SUPPORTED_BITS, QuantizedTensor, packed_dim, quantize
 
 CACHE_CONFIG_DIR = Path(__file__).resolve().parent / "cache_configs"
 PATTERNS = ("tile", "repeat", "pyramid", "funnel")
 # Query rows per chunk when prefill needs attention probabilities: bounds memory at
 # PREFILL_CHUNK_ELEMENTS floats instead of heads x seq x seq.
-PREFILL_CHUNK_ELEMENTS = 1 << 24
+PREFILL_CHUNK_ELEMENTS = 1 << 22
 
 
 class KVCache(nn.Module):
@@ -73,7 +74,7 @@ class KVCache(nn.Module):
     def return_attn(self) -> bool:
         return False
 
-    def prefill_state(self, input_pos: Tensor, k: Tensor, query: Tensor) -> dict[str, Tensor]:
+    def prefill_state(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> dict[str, Tensor]:
         """Per-prompt-token state [B, H, T] the strategy scores with, computed before compression."""
         return {}
 
@@ -110,10 +111,19 @@ class KVCache(nn.Module):
         score = torch.where(self.pos < 0, -math.inf, score)
         return score.argmin(dim=-1, keepdim=True)
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> None:
-        """Fills the cache from the prompt, asking the prompt compressor when the prompt does not fit."""
+    def attend_prompt(self, input_pos: Tensor, query: Tensor, k: Tensor, v: Tensor, token_ids=None) -> Tensor:
+        """The prompt's causal attention output [B, H, T, D]; fills the cache on the way."""
+        self.update_kv(input_pos, k, v, is_prefill=True, query=query, token_ids=token_ids)
+        return F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True)
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor, state: dict | None = None) -> None:
+        """Fills the cache from the prompt, asking the prompt compressor when the prompt does not fit.
+
+        `state` is the prefill state when the caller already computed it (see attend_prompt).
+        """
         bsz, n_heads, seqlen, _ = k.shape
-        state = self.prefill_state(input_pos, k, query)
+        if state is None:
+            state = self.prefill_state(input_pos, k, v, query)
         if seqlen <= self.max_cache_length:
             keep = torch.arange(seqlen, device=k.device).expand(bsz, n_heads, seqlen)
         else:
@@ -137,16 +147,14 @@ class KVCache(nn.Module):
             write_slots(getattr(self, f"{name}_scale"), slots, scale)
             write_slots(getattr(self, f"{name}_zero"), slots, zero)
 
-    def read(self) -> tuple[Tensor, Tensor]:
+    def read(self) -> tuple:
+        """Keys and values for attention; a low-bit cache hands over its packed codes (QuantizedTensor),
+        which attention_with_probs multiplies without dequantizing the whole cache."""
         if self.cache_bits is None:
             return self.k_cache, self.v_cache
         return tuple(
-            dequantize(
-                getattr(self, f"{n}_packed"),
-                getattr(self, f"{n}_scale"),
-                getattr(self, f"{n}_zero"),
-                self.cache_bits,
-                self.dtype,
+            QuantizedTensor(
+                getattr(self, f"{n}_packed"), getattr(self, f"{n}_scale"), getattr(self, f"{n}_zero"), self.cache_bits
             )
             for n in ("k", "v")
         )
@@ -219,7 +227,7 @@ class L2Cache(KVCache):
     def score(self, input_pos):
         return -self.key_norm
 
-    def prefill_state(self, input_pos, k, query):
+    def prefill_state(self, input_pos, k, v, query):
         return {"key_norm": k.float().norm(dim=-1)}
 
     def insert_state(self, slots, k, state):
@@ -255,8 +263,14 @@ class HeavyHitterCache(KVCache):
     def score(self, input_pos):
         return self.attn_history.sum(-1) / self.attn_counter.clamp(min=1)
 
-    def prefill_state(self, input_pos, k, query):
-        return {"attn": prefill_attention_received(query, k, self.attn_thresholding)}
+    def prefill_state(self, input_pos, k, v, query):
+        return {"attn": prompt_attention(query, k, v, self.attn_thresholding)[1]}
+
+    def attend_prompt(self, input_pos, query, k, v, token_ids=None):
+        """The attention statistics come from the pass that computes the output."""
+        out, received = prompt_attention(query, k, v, self.attn_thresholding)
+        self.prefill(input_pos, k, v, query, state={"attn": received})
+        return out
 
     def insert_state(self, slots, k, state):
         n = slots.shape[-1]
@@ -297,30 +311,43 @@ def keep_top_fraction(attn: Tensor, fraction: float, filled: Tensor) -> Tensor:
     return torch.where(attn >= threshold, attn, torch.zeros_like(attn))
 
 
-def prefill_attention_received(query: Tensor, k: Tensor, thresholding: bool = False) -> Tensor:
-    """Mean attention each prompt key receives from the queries that can see it, [B, H_kv, T].
+def prompt_attention(query: Tensor, k: Tensor, v: Tensor, thresholding: bool = False) -> tuple[Tensor, Tensor]:
+    """Causal attention over the prompt: (output [B, H, T, D], mean attention each key receives from
+    the queries that can see it [B, H_kv, T]).
 
-    Computed in query chunks so memory stays bounded instead of heads x T x T. With
-    `thresholding`, counts whether each query gave the key at least uniform attention.
+    The output comes from the fused attention kernel; the statistics need one more QK^T pass, in
+    query chunks so memory stays bounded by PREFILL_CHUNK_ELEMENTS instead of heads x T x T. On CPU
+    the kernel also returns each query's log-sum-exp, so a probability is exp(score - lse) without
+    a softmax over the chunk. With `thresholding`, counts whether each query gave the key at least
+    uniform attention.
     """
     bsz, n_head, seqlen, head_dim = query.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
-    q = query.view(bsz, n_kv, group, seqlen, head_dim)
+    if query.device.type == "cpu":
+        k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k_rep, v_rep, 0.0, True)[:2]
+        lse = lse.view(bsz, n_kv, group, seqlen, 1)
+    else:
+        out, lse = F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True), None
+    q = (query * (1.0 / math.sqrt(head_dim))).view(bsz, n_kv, group, seqlen, head_dim)
+    keys_t = k.transpose(-1, -2)
     received = torch.zeros(bsz, n_kv, seqlen, device=k.device)
     chunk = max(1, PREFILL_CHUNK_ELEMENTS // (n_head * seqlen))
     key_pos = torch.arange(seqlen, device=k.device)
-    keys_t = k.float().unsqueeze(2).transpose(-1, -2) / math.sqrt(head_dim)
     for start in range(0, seqlen, chunk):
-        rows = key_pos[start : start + chunk]
-        end = start + len(rows)  # a chunk's queries see no key past its last row
-        scores = q[:, :, :, start:end].float() @ keys_t[..., :end]
-        visible = key_pos[:end].view(1, -1) <= rows.view(-1, 1)
-        probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1)
+        end = min(start + chunk, seqlen)  # a chunk's queries see no key past its last row
+        rows = end - start
+        q_rows = q[:, :, :, start:end].reshape(bsz, n_kv, group * rows, head_dim)
+        scores = (q_rows @ keys_t[..., :end]).view(bsz, n_kv, group, rows, end).float()
+        future = key_pos[start:end].view(1, -1) > key_pos[start:end].view(-1, 1)
+        scores[..., start:end].masked_fill_(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1) if lse is None else scores.sub_(lse[:, :, :, start:end]).exp_()
         if thresholding:
-            probs = (probs >= 1.0 / (rows + 1).view(-1, 1).float()).float() * visible
-        received[..., :end] += probs.mean(dim=2).sum(dim=2)
-    return received / (seqlen - key_pos).float()
+            probs = (probs >= 1.0 / (key_pos[start:end] + 1).view(-1, 1).float()).float()
+        received[..., :end] += probs.sum(dim=(2, 3))
+    received /= group * (seqlen - key_pos).float()
+    return out, received
 
 
 class DebugCache(FullCache):

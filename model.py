@@ -10,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from quantization_utils import QuantizedTensor, quantized_scores, quantized_weighted_sum
+
 
 @dataclass
 class ModelArgs:
@@ -265,10 +267,9 @@ class Attention(nn.Module):
 
     def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, token_ids: Tensor) -> Tensor:
         """Full causal attention over the prompt; the cache then takes what its compressor keeps."""
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        if self.kv_cache is not None:
-            self.kv_cache.update_kv(input_pos, k, v, is_prefill=True, query=q, token_ids=token_ids)
-        return y
+        if self.kv_cache is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.kv_cache.attend_prompt(input_pos, q, k, v, token_ids)
 
     def decode_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, token_ids: Tensor) -> Tensor:
         """One query per KV-head group attends over the cache slots.
@@ -285,15 +286,25 @@ class Attention(nn.Module):
             y, attn = attention_with_probs(q, keys, values, mask)
             attn = attn.view(bsz, self.n_local_heads, group, seqlen, -1)
             self.kv_cache.update_state(input_pos, k, v, is_prefill=False, attn=attn)
+        elif isinstance(keys, QuantizedTensor):
+            y, _ = attention_with_probs(q, keys, values, mask)
         else:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return y.view(bsz, self.n_head, seqlen, self.head_dim)
 
 
-def attention_with_probs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Attention that also returns the probabilities, for caches that score tokens by attention."""
-    scores = (q @ k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention that also returns the probabilities, for caches that score tokens by attention.
+
+    k and v may be a low-bit cache's QuantizedTensor: the dequantization folds into the two matmuls.
+    """
+    if isinstance(k, QuantizedTensor):
+        scores = quantized_scores(q, k)
+    else:
+        scores = (q @ k.transpose(-1, -2)).float()
+    probs = torch.softmax((scores * (1.0 / math.sqrt(q.shape[-1]))).masked_fill(~mask, float("-inf")), dim=-1)
+    if isinstance(v, QuantizedTensor):
+        return quantized_weighted_sum(probs, v).to(q.dtype), probs
     return probs.to(v.dtype) @ v, probs
 
 

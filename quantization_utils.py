@@ -10,6 +10,7 @@ both directions contiguous slice/concat ops, which are about twice as fast in ea
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -95,3 +96,32 @@ def dequantize(packed: Tensor, scale: Tensor, zero: Tensor, bits: int, dtype: to
     """
     scale, zero = scale.float(), zero.float()
     return torch.cat([(c.float() * scale + zero).to(dtype) for c in _code_chunks(packed, bits)], dim=-1)
+
+
+class QuantizedTensor(NamedTuple):
+    """What a low-bit cache hands attention: packed codes [..., L, D * bits / 8], scale and zero [..., L, 1]."""
+
+    packed: Tensor
+    scale: Tensor
+    zero: Tensor
+    bits: int
+
+
+def quantized_scores(q: Tensor, k: QuantizedTensor) -> Tensor:
+    """q [..., G, D] @ dequantize(k)^T in float32, without materializing the dequantized keys.
+
+    q . (codes * s + z) = s * (q . codes) + z * sum(q): each packed bit field holds a contiguous
+    slice of the head dimension (planar layout), so it multiplies the matching slice of q.
+    """
+    qf = q.float()
+    q_slices = qf.chunk(8 // k.bits, dim=-1)
+    dots = sum(qs @ c.float().transpose(-1, -2) for qs, c in zip(q_slices, _code_chunks(k.packed, k.bits)))
+    return dots * k.scale.float().transpose(-1, -2) + qf.sum(-1, keepdim=True) * k.zero.float().transpose(-1, -2)
+
+
+def quantized_weighted_sum(probs: Tensor, v: QuantizedTensor) -> Tensor:
+    """probs [..., G, L] @ dequantize(v) in float32: (probs * s) @ codes + probs @ z, slice by slice."""
+    probs = probs.float()
+    scaled = probs * v.scale.float().transpose(-1, -2)
+    out = torch.cat([scaled @ c.float() for c in _code_chunks(v.packed, v.bits)], dim=-1)
+    return out + probs @ v.zero.float()

@@ -24,6 +24,7 @@ from cache import (
     resolve_recent_window,
 )
 from prompt_compression import get_prompt_compressor
+from quantization_utils import QuantizedTensor, dequantize
 
 HEAD_DIM = 8
 SCORED = ["random", "l2", "heavy_hitter", "keep_it_odd"]
@@ -385,14 +386,17 @@ def brute_force_attention_received(q, k, thresholding=False):
 
 
 @pytest.mark.parametrize("thresholding", [False, True])
-def test_prefill_attention_received_matches_brute_force(thresholding, monkeypatch):
+def test_prompt_attention_matches_brute_force_and_sdpa(thresholding, monkeypatch):
+    """The chunked pass gives the causal attention output and the attention each key received."""
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 4, 13, HEAD_DIM, generator=g), torch.randn(1, 2, 13, HEAD_DIM, generator=g)
+    q, k, v = (torch.randn(1, h, 13, HEAD_DIM, generator=g) for h in (4, 2, 2))
     expected = brute_force_attention_received(q, k, thresholding)
-    got = cache_module.prefill_attention_received(q, k, thresholding)
-    torch.testing.assert_close(got, expected)
-    monkeypatch.setattr(cache_module, "PREFILL_CHUNK_ELEMENTS", 4 * 13 * 3)  # 3 query rows per chunk
-    torch.testing.assert_close(cache_module.prefill_attention_received(q, k, thresholding), expected)
+    expected_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for chunk_rows in (13, 3):
+        monkeypatch.setattr(cache_module, "PREFILL_CHUNK_ELEMENTS", 4 * 13 * chunk_rows)
+        out, received = cache_module.prompt_attention(q, k, v, thresholding)
+        torch.testing.assert_close(received, expected)
+        torch.testing.assert_close(out, expected_out)
 
 
 @pytest.mark.parametrize("compressor", ["recent_global", "heavy_hitter", "l2", "keep_it_odd"])
@@ -400,7 +404,7 @@ def test_heavy_hitter_state_after_compressed_prefill(compressor):
     """Whatever the compressor, the cache holds the kept tokens with their prefill attention."""
     cache = make_cache("heavy_hitter", length=8, global_tokens=1, recent_window=2, compressor=compressor)
     q, k, v = prefill(cache, 20, n_query_heads=4)
-    received = cache_module.prefill_attention_received(q, k)
+    received = cache_module.prompt_attention(q, k, v)[1]
     keep = cache.pos[0].long()
     assert (keep.diff(dim=-1) > 0).all() and {0, 18, 19} <= held(cache, 0)
     torch.testing.assert_close(cache.attn_history[0, :, :, 0], received[0].gather(1, keep))
@@ -421,7 +425,7 @@ def test_heavy_hitter_prefill_then_decode_scores_prompt_tokens_by_prefill_attent
     """After a fitting prefill, the first eviction follows the prompt's attention received."""
     cache = make_cache("heavy_hitter", length=6, heads=2, global_tokens=1, recent_window=0, compressor="recent_global")
     q, k, v = prefill(cache, 6, n_query_heads=4)
-    received = cache_module.prefill_attention_received(q, k)[0]
+    received = cache_module.prompt_attention(q, k, v)[1][0]
     # decode position 6 with attention 0 everywhere except the new token: scores stay prefill means
     decode(cache, 6, attn=torch.tensor([0.0] * 6))
     for head in range(2):
@@ -461,8 +465,9 @@ def test_quantized_cache_round_trip():
     k, v = random_kv(5)
     cache.update_kv(torch.arange(5), k, v, is_prefill=True, query=k)
     keys, values, mask = cache.update_kv(torch.tensor([5]), k[:, :, :1], v[:, :, :1])
-    assert keys.dtype == torch.bfloat16 and mask[0, 0].tolist() == [True] * 6 + [False] * 2
-    for stored, original in ((keys, k), (values, v)):
+    assert isinstance(keys, QuantizedTensor) and mask[0, 0].tolist() == [True] * 6 + [False] * 2
+    for packed, original in ((keys, k), (values, v)):
+        stored = dequantize(*packed, torch.bfloat16)
         scale = (original.amax(-1, keepdim=True) - original.amin(-1, keepdim=True)) / 255
         assert ((stored[:, :, :5].float() - original).abs() <= scale * 0.6 + original.abs() * 2**-7).all()
     assert cache.k_packed.dtype == torch.uint8 and not hasattr(cache, "k_cache")

@@ -3,10 +3,13 @@ import torch
 
 from quantization_utils import (
     SUPPORTED_BITS,
+    QuantizedTensor,
     dequantize,
     pack,
     packed_dim,
     quantize,
+    quantized_scores,
+    quantized_weighted_sum,
     unpack,
 )
 
@@ -115,3 +118,18 @@ def test_rejects_unsupported_shapes_and_widths():
         packed_dim(60, 4)
     with pytest.raises(ValueError, match="bits"):
         quantize(torch.zeros(2, 64), 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_attention_on_packed_codes_equals_attention_on_dequantized(bits, dtype):
+    """Folding scale and zero into the matmuls gives what dequantize-then-matmul gives."""
+    k, v = _kv_like((1, 3, 40, 64), dtype, "cpu", seed=1), _kv_like((1, 3, 40, 64), dtype, "cpu", seed=2)
+    q = _kv_like((1, 3, 4, 64), dtype, "cpu", seed=3)
+    k_q, v_q = QuantizedTensor(*quantize(k, bits), bits), QuantizedTensor(*quantize(v, bits), bits)
+    k_deq = dequantize(*k_q, torch.float32)
+    v_deq = dequantize(*v_q, torch.float32)
+    scores = quantized_scores(q, k_q)
+    torch.testing.assert_close(scores, q.float() @ k_deq.transpose(-1, -2), rtol=1e-5, atol=1e-3)
+    probs = torch.softmax(scores / 8, dim=-1)
+    torch.testing.assert_close(quantized_weighted_sum(probs, v_q), probs @ v_deq, rtol=1e-5, atol=1e-4)
