@@ -54,6 +54,7 @@ from generation import (
     resolve_dtype,
     sample,
     setup_caches,
+    torch_profile,
 )
 
 NATURAL_COMPRESSOR = {"heavy_hitter": "heavy_hitter", "l2": "l2"}  # everything else: recent_global
@@ -348,22 +349,6 @@ def kv_bytes_read(caches: list) -> float:
     return total
 
 
-def profile_decode(step, device, out_path: Path, n_rows: int) -> None:
-    """Runs `step()` under the torch profiler; writes a chrome trace and prints the top ops."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, record_shapes=True) as prof:
-        with record_function("decode_steps"):
-            step()
-        synchronize(device)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(out_path))
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(f"profile: {out_path}")
-    print(prof.key_averages().table(sort_by=sort, row_limit=n_rows))
-
-
 def profile_path(base: Path, tag: str, single: bool) -> Path:
     return base if single else base.with_name(f"{base.stem}.{tag}{base.suffix or '.json'}")
 
@@ -454,7 +439,8 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
             for pos in decode_pos[n_warm + args.decode_steps :]:
                 state["token"] = sample(steps["decode"](model, state["token"].view(1, 1), pos))
 
-        profile_decode(profiled_steps, device, profile_to, args.profile_rows)
+        with torch_profile(profile_to, device, "decode_steps", args.profile_rows):
+            profiled_steps()
     model.setup_caches([None] * model.config.n_layer, 1)  # drop this row's caches before the next
     del caches
     return row

@@ -34,6 +34,7 @@ from generation import (
     peak_memory_bytes,
     resolve_device,
     resolve_dtype,
+    torch_profile,
 )
 from tokenizer import get_tokenizer
 
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no_chat_template", action="store_true", help="feed the prompt as raw text")
     parser.add_argument("--compile", action="store_true", help="torch.compile prefill and decode")
     parser.add_argument("--csv", type=Path, default=None, help="append one row of statistics and arguments")
+    parser.add_argument("--profile", type=Path, default=None, help="write a torch profiler chrome trace of the run")
     add_cache_arguments(parser)
     return parser
 
@@ -142,17 +144,18 @@ def main(argv=None) -> None:
 
     stream.printed = 0
     start = time.perf_counter()
-    _, stats = generate(
-        model,
-        prompt_ids,
-        args.max_new_tokens,
-        cache_kwargs,
-        terminator_ids=tokenizer.terminator_ids,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        callback=stream,
-        steps=steps,
-    )
+    with torch_profile(None if rank else args.profile, device, "generate"):
+        _, stats = generate(
+            model,
+            prompt_ids,
+            args.max_new_tokens,
+            cache_kwargs,
+            terminator_ids=tokenizer.terminator_ids,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            callback=stream,
+            steps=steps,
+        )
     stats = tp.all_reduce_statistics(stats)  # whole-model cache statistics under tensor parallel
     stats["total_time"] = time.perf_counter() - start
     stats["peak_memory_bytes"] = peak_memory_bytes(device)

@@ -1,5 +1,6 @@
 """Prefill-then-decode loop, cache setup and compile: shared by generate.py, eval.py and benchmark.py."""
 
+import contextlib
 import resource
 import time
 from pathlib import Path
@@ -157,6 +158,30 @@ def peak_memory_bytes(device: torch.device) -> int:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def torch_profile(path: Path | None, device: torch.device, label: str, n_rows: int = 15):
+    """Runs the body under the torch profiler, writes a chrome trace to `path` and prints the top ops.
+
+    Without a path the body just runs: callers need no second code path.
+    """
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        with record_function(label):
+            yield
+        synchronize(device)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"profile: {path} (open in chrome://tracing or https://ui.perfetto.dev)")
+    print(prof.key_averages().table(sort_by=sort, row_limit=n_rows))
 
 
 def prefill_prompt(model: Transformer, prompt_ids: Tensor, new_tokens: int, cache_kwargs: dict, steps: dict):

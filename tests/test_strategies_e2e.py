@@ -10,6 +10,7 @@
 """
 
 import csv
+import json
 import math
 
 import pytest
@@ -132,11 +133,20 @@ def test_needle_in_a_haystack_statistics_by_hand(bits, tmp_path, capsys):
     per_layer = [expected_layer_bytes(s, cache_len, config.n_local_heads, config.head_dim, 2, bits) for s in strategies]
 
     assert float(row["compression_ratio"]) == pytest.approx(ratio, rel=1e-12)
-    assert eval(row["compression_ratio_per_layer"]) == pytest.approx([ratio] * 30, rel=1e-12)
-    assert eval(row["cache_memory_bytes_per_layer"]) == per_layer
+    assert json.loads(row["compression_ratio_per_layer"]) == pytest.approx([ratio] * 30, rel=1e-12)
+    assert json.loads(row["cache_memory_bytes_per_layer"]) == per_layer
     assert int(row["cache_memory_bytes"]) == sum(per_layer)
     assert f"compression ratio: {ratio:.4f}" in out
     assert f"cache memory: {sum(per_layer) / 2**20:.2f} MiB" in out
+
+
+def test_generate_profile_writes_a_chrome_trace(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    generate_cli.main(["--max_new_tokens", "3", "--device", "cpu", "--profile", str(trace)])
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "generate" for e in events)
+    assert any(e.get("name") == "aten::mm" for e in events)  # the model's matmuls ran under it
+    assert f"profile: {trace}" in capsys.readouterr().out
 
 
 # -- quantized caches ------------------------------------------------------------------------------
