@@ -65,6 +65,9 @@ class KVCache(nn.Module):
                 self.register_buffer(f"{name}_scale", torch.zeros(*shape, 1, dtype=dtype))
                 self.register_buffer(f"{name}_zero", torch.zeros(*shape, 1, dtype=dtype))
         self.register_buffer("pos", torch.full(shape, -1, dtype=torch.int))
+        # First flat row of each (batch, head) in a [B, H, L, ...] buffer viewed as [B * H * L, ...].
+        offsets = torch.arange(max_batch_size * n_heads).view(max_batch_size, n_heads, 1) * max_cache_length
+        self.register_buffer("row_offsets", offsets, persistent=False)
 
     # -- what a strategy may override -------------------------------------------------------
     def score(self, input_pos: Tensor) -> Tensor:
@@ -106,7 +109,7 @@ class KVCache(nn.Module):
     def eviction_slots(self, input_pos: Tensor) -> Tensor:
         """Slot [B, H, 1] for the next token: an empty one if any, else the least important evictable."""
         score = self.score(input_pos).expand_as(self.pos)
-        protected = (self.pos < self.global_tokens) | (self.pos > input_pos - self.recent_window - 1)
+        protected = (self.pos < self.global_tokens) | (self.pos >= input_pos - self.recent_window)
         score = torch.where(protected, math.inf, score)
         score = torch.where(self.pos < 0, -math.inf, score)
         return score.argmin(dim=-1, keepdim=True)
@@ -136,16 +139,29 @@ class KVCache(nn.Module):
 
     def write(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """Stores k/v [B, H, n, D] into slots [B, H, n], quantizing when the cache is low-bit."""
-        write_slots(self.pos, slots, positions)
+        self.write_slots(self.pos, slots, positions)
         if self.cache_bits is None:
-            write_slots(self.k_cache, slots, k)
-            write_slots(self.v_cache, slots, v)
+            self.write_slots(self.k_cache, slots, k)
+            self.write_slots(self.v_cache, slots, v)
             return
         for name, x in (("k", k), ("v", v)):
             packed, scale, zero = quantize(x.to(self.dtype), self.cache_bits)
-            write_slots(getattr(self, f"{name}_packed"), slots, packed)
-            write_slots(getattr(self, f"{name}_scale"), slots, scale)
-            write_slots(getattr(self, f"{name}_zero"), slots, zero)
+            self.write_slots(getattr(self, f"{name}_packed"), slots, packed)
+            self.write_slots(getattr(self, f"{name}_scale"), slots, scale)
+            self.write_slots(getattr(self, f"{name}_zero"), slots, zero)
+
+    def write_slots(self, buffer: Tensor, slots: Tensor, values) -> None:
+        """buffer[b, h, slots[b, h, i]] = values[b, h, i] (or a number) for a [B, H, L, ...] buffer.
+
+        One index_copy_ over flattened (batch, head, slot) rows: scatter_ copies the whole buffer on
+        CPU for some dtypes, which made each decode step proportional to the cache length.
+        """
+        rows = (self.row_offsets + slots).flatten()
+        flat = buffer.view(-1, *buffer.shape[3:])
+        if isinstance(values, Tensor):
+            flat.index_copy_(0, rows, values.reshape(-1, *buffer.shape[3:]).to(buffer.dtype))
+        else:
+            flat.index_fill_(0, rows, values)
 
     def read(self) -> tuple:
         """Keys and values for attention; a low-bit cache hands over its packed codes (QuantizedTensor),
@@ -166,20 +182,13 @@ class KVCache(nn.Module):
             kept *= self.cache_bits / 16
         return {
             "compression_ratio": (seq_len - kept) / seq_len,
-            "cache_memory_bytes": sum(b.numel() * b.element_size() for b in self.buffers()),
+            "cache_memory_bytes": state_bytes(self),
         }
 
 
-def write_slots(buffer: Tensor, slots: Tensor, values: Tensor) -> None:
-    """buffer[b, h, slots[b, h, i]] = values[b, h, i] for a [B, H, L, ...] buffer.
-
-    One index_copy_ over flattened (batch, head, slot) rows: scatter_ copies the whole buffer on
-    CPU for some dtypes, which made each decode step proportional to the cache length.
-    """
-    bsz, n_heads, length = buffer.shape[:3]
-    rows = torch.arange(bsz * n_heads, device=slots.device).view(bsz, n_heads, 1) * length + slots
-    flat = buffer.view(bsz * n_heads * length, *buffer.shape[3:])
-    flat.index_copy_(0, rows.flatten(), values.reshape(-1, *buffer.shape[3:]).to(buffer.dtype))
+def state_bytes(cache: nn.Module) -> int:
+    """Bytes of a cache's persistent buffers: its memory, without bookkeeping such as row_offsets."""
+    return sum(t.numel() * t.element_size() for t in cache.state_dict().values())
 
 
 class FullCache(KVCache):
@@ -232,7 +241,7 @@ class L2Cache(KVCache):
 
     def insert_state(self, slots, k, state):
         norm = state.get("key_norm", k.float().norm(dim=-1))
-        write_slots(self.key_norm, slots, norm)
+        self.write_slots(self.key_norm, slots, norm)
 
     def reset_state(self):
         self.key_norm.zero_()
@@ -273,26 +282,26 @@ class HeavyHitterCache(KVCache):
         return out
 
     def insert_state(self, slots, k, state):
-        n = slots.shape[-1]
-        first = torch.zeros(*slots.shape, self.history_window_size, device=slots.device)
-        if "attn" in state:
-            first[..., 0] = state["attn"]
-        write_slots(self.attn_history, slots, first)
-        write_slots(self.attn_counter, slots, torch.full_like(slots, int("attn" in state), dtype=torch.float))
-        if "attn" in state:
-            self.step.fill_(1 if n else 0)
+        if "attn" not in state:  # decode: the new token's history starts with this step's attention
+            self.write_slots(self.attn_history, slots, 0.0)
+            self.write_slots(self.attn_counter, slots, 0.0)
+            return
+        history = torch.zeros(*slots.shape, self.history_window_size, device=slots.device)
+        history[..., 0] = state["attn"]
+        self.write_slots(self.attn_history, slots, history)
+        self.write_slots(self.attn_counter, slots, 1.0)
+        self.step.fill_(1 if slots.shape[-1] else 0)
 
     def update_state(self, input_pos, k, v, is_prefill, attn):
-        attn = attn.mean(dim=2)[:, :, -1].float()  # average the query heads sharing a KV head
-        filled = (self.pos >= 0).float()
+        attn = attn.mean(dim=2)[:, :, -1].float()  # average the query heads sharing a KV head; 0 on empty slots
+        filled = self.pos >= 0
         if self.attn_thresholding:
             attn = (attn >= 1.0 / filled.sum(-1, keepdim=True)).float()
         elif self.attn_top_k < 1.0:
             attn = keep_top_fraction(attn, self.attn_top_k, filled)
-        attn = attn * filled
         if self.history_window_size == 1:
             self.attn_history[..., 0] += attn
-            self.attn_counter.add_(filled)
+            self.attn_counter += filled
         else:
             self.attn_history.index_copy_(3, (self.step % self.history_window_size).view(1), attn.unsqueeze(-1))
             self.attn_counter.copy_(torch.clamp(self.attn_counter + filled, max=self.history_window_size))
@@ -471,11 +480,11 @@ class HybridCache(KVCache):
 
     def insert_state(self, slots, k, state):
         """Marks new tokens special/punctuation and kept; token ids arrive with the write."""
-        write_slots(self.kept, slots, torch.ones_like(slots, dtype=torch.bool))
-        write_slots(self.attn_sum, slots, torch.zeros_like(slots, dtype=torch.float))
+        self.write_slots(self.kept, slots, True)
+        self.write_slots(self.attn_sum, slots, 0.0)
         ids = self.new_token_ids.view(1, 1, -1).expand_as(slots)
-        write_slots(self.is_special, slots, torch.isin(ids, self.special_ids))
-        write_slots(self.is_punc, slots, torch.isin(ids, self.punctuation_ids))
+        self.write_slots(self.is_special, slots, torch.isin(ids, self.special_ids))
+        self.write_slots(self.is_punc, slots, torch.isin(ids, self.punctuation_ids))
 
     def policy_mask(self, input_pos: Tensor, policy_parts: Tensor | None = None) -> Tensor:
         """Which slots each head's policy keeps at position input_pos, [B, H, L] (or [P, B, H, L])."""

@@ -358,5 +358,6 @@ def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     cos = freqs_cis[..., 0].view(1, x.size(1), 1, half)
     sin = freqs_cis[..., 1].view(1, x.size(1), 1, half)
-    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
