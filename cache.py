@@ -127,15 +127,14 @@ class KVCache(nn.Module):
         bsz, n_heads, seqlen, _ = k.shape
         if state is None:
             state = self.prefill_state(input_pos, k, v, query)
-        if seqlen <= self.max_cache_length:
-            keep = torch.arange(seqlen, device=k.device).expand(bsz, n_heads, seqlen)
-        else:
-            keep = self.prompt_compressor(input_pos, k, v, query, self.max_cache_length)
-            keep = keep.expand(bsz, n_heads, -1)
-        slots = torch.arange(keep.shape[-1], device=k.device).expand_as(keep)
-        gather = keep.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
-        self.write(slots, input_pos[keep], k.gather(2, gather), v.gather(2, gather))
-        self.insert_state(slots, k.gather(2, gather), {name: s.gather(2, keep) for name, s in state.items()})
+        if seqlen > self.max_cache_length:
+            keep = self.prompt_compressor(input_pos, k, v, query, self.max_cache_length).expand(bsz, n_heads, -1)
+            gather = keep.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
+            input_pos, k, v = input_pos[keep], k.gather(2, gather), v.gather(2, gather)
+            state = {name: s.gather(2, keep) for name, s in state.items()}
+        slots = torch.arange(k.shape[2], device=k.device).expand(bsz, n_heads, -1)
+        self.write(slots, input_pos.expand_as(slots), k, v)
+        self.insert_state(slots, k, state)
 
     def write(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """Stores k/v [B, H, n, D] into slots [B, H, n], quantizing when the cache is low-bit."""
