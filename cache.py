@@ -319,6 +319,7 @@ def keep_top_fraction(attn: Tensor, fraction: float, filled: Tensor) -> Tensor:
     return torch.where(attn >= threshold, attn, torch.zeros_like(attn))
 
 
+@torch.compiler.disable  # a Python loop over the prompt's chunks: compiling it would unroll every chunk
 def prompt_attention(query: Tensor, k: Tensor, v: Tensor, thresholding: bool = False) -> tuple[Tensor, Tensor]:
     """Causal attention over the prompt: (output [B, H, T, D], mean attention each key receives from
     the queries that can see it [B, H_kv, T]).

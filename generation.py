@@ -138,9 +138,13 @@ def compile_steps(model_fns: dict) -> dict:
     Decode also autotunes its matmuls (on a 2-core CPU: +30% bf16 decode for no longer compile);
     CUDA graphs stay off because the step's inputs are fresh tensors each call.
     """
+    from torch._inductor import select_algorithm  # inductor loads only when compiling
+
     torch._inductor.config.fallback_random = True
     torch._inductor.config.freezing = True  # weights as constants: ~1.8x faster bf16 decode on CPU
     torch._dynamo.config.recompile_limit = 64
+    torch._inductor.config.max_autotune_report_choices_stats = False  # autotuning reports flood stderr
+    select_algorithm.PRINT_AUTOTUNE = False
     return {
         "decode": torch.compile(model_fns["decode"], fullgraph=True, mode="max-autotune-no-cudagraphs"),
         "prefill": torch.compile(model_fns["prefill"], dynamic=True),
