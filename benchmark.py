@@ -46,6 +46,7 @@ from generation import (
     DEFAULT_CHECKPOINT,
     STEPS,
     CheckpointError,
+    check_output_path,
     checkpoint_config,
     compile_steps,
     load_model,
@@ -838,6 +839,7 @@ def main(argv=None) -> list[dict]:
         device = resolve_device(args.device)
         for d in set(args.dtypes or []):
             resolve_dtype(d)
+        check_output_path(args.profile, "--profile")
         configs = plan_configs(args)
         if not configs:
             raise ValueError("the grid is empty (compressing strategies skip budget 1.0; add a budget below 1)")

@@ -27,6 +27,7 @@ from generation import (
     DEFAULT_CHECKPOINT,
     STEPS,
     CheckpointError,
+    check_output_path,
     checkpoint_config,
     compile_steps,
     generate,
@@ -109,6 +110,7 @@ def main(argv=None) -> None:
         if args.max_new_tokens < 1:
             raise ValueError("--max_new_tokens must be at least 1")
         prompt = read_prompt(args.prompt)
+        check_output_path(args.profile, "--profile")
         config = checkpoint_config(args.checkpoint_path)
         if tp.world_size() > 1:
             tp.check_tp(config, tp.world_size())

@@ -166,6 +166,16 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_output_path(path: Path | None, flag: str) -> None:
+    """Creates the folder of an output file up front, so a bad path fails before the work, in one line."""
+    if path is None:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot write {flag} {path} ({e.strerror}); choose a writable path") from None
+
+
 @contextlib.contextmanager
 def torch_profile(path: Path | None, device: torch.device, label: str, n_rows: int = 15):
     """Runs the body under the torch profiler, writes a chrome trace to `path` and prints the top ops.

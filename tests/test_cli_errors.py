@@ -158,6 +158,7 @@ INPUT_CASES = {
     "device": (["--device", "nonsense"], "device 'nonsense'"),
     "dtype": (["--dtype", "nonsense"], "unknown dtype 'nonsense'"),
     "max_new_tokens_zero": (["--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
+    "unwritable_profile": (["--profile", "/proc/no/trace.json"], "cannot write --profile /proc/no/trace.json"),
 }
 
 
