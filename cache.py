@@ -319,26 +319,49 @@ def keep_top_fraction(attn: Tensor, fraction: float, filled: Tensor) -> Tensor:
     return torch.where(attn >= threshold, attn, torch.zeros_like(attn))
 
 
-@torch.compiler.disable  # a Python loop over the prompt's chunks: compiling it would unroll every chunk
+def cpu_flash_attention(query: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """Causal attention (heads already repeated for GQA) and each query's log-sum-exp [B, H, T]:
+    the kernel behind SDPA on CPU, bit-identical to it, which also returns the log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scale)[:2]
+
+
 def prompt_attention(query: Tensor, k: Tensor, v: Tensor, thresholding: bool = False) -> tuple[Tensor, Tensor]:
     """Causal attention over the prompt: (output [B, H, T, D], mean attention each key receives from
     the queries that can see it [B, H_kv, T]).
 
-    The output comes from the fused attention kernel; the statistics need one more QK^T pass, in
-    query chunks so memory stays bounded by PREFILL_CHUNK_ELEMENTS instead of heads x T x T. On CPU
-    the kernel also returns each query's log-sum-exp, so a probability is exp(score - lse) without
-    a softmax over the chunk. With `thresholding`, counts whether each query gave the key at least
-    uniform attention.
+    Never materializes heads x T x T. On CPU the fused kernel returns each query's log-sum-exp, and
+    the attention key j receives, sum over i >= j of exp(q_i.k_j / sqrt(d) - lse_i), is itself a
+    log-sum-exp: that of a second fused causal pass with keys and queries swapped, the sequence
+    reversed, and -lse_i appended to query i against a 1 appended to each key (split in two parts
+    so bfloat16 keeps its precision). Thresholding counts probabilities one by one, so it (and
+    devices without that kernel) takes the chunked pass.
     """
+    if query.device.type != "cpu" or thresholding:
+        return chunked_prompt_attention(query, k, v, thresholding)
+    bsz, n_head, seqlen, head_dim = query.shape
+    group = n_head // k.shape[1]
+    k_rep = k.repeat_interleave(group, dim=1)
+    out, lse = cpu_flash_attention(query, k_rep, v.repeat_interleave(group, dim=1))
+    lse = lse.unsqueeze(-1) * -math.sqrt(head_dim)  # the kernel scales every score by 1/sqrt(head_dim)
+    lse_hi = lse.to(query.dtype)
+    lse_lo = (lse - lse_hi.float()).to(query.dtype)
+    ones = torch.ones_like(lse_hi)
+    keys_as_queries = torch.cat([k_rep, ones, ones], dim=-1).flip(2)
+    queries_as_keys = torch.cat([query, lse_hi, lse_lo], dim=-1).flip(2)
+    scale = 1.0 / math.sqrt(head_dim)
+    received_lse = cpu_flash_attention(keys_as_queries, queries_as_keys, torch.zeros_like(queries_as_keys), scale)[1]
+    received = received_lse.flip(2).exp().view(bsz, -1, group, seqlen).sum(2)
+    return out, received / (group * torch.arange(seqlen, 0, -1, device=k.device).float())
+
+
+@torch.compiler.disable  # a Python loop over the prompt's chunks: compiling it would unroll every chunk
+def chunked_prompt_attention(query: Tensor, k: Tensor, v: Tensor, thresholding: bool) -> tuple[Tensor, Tensor]:
+    """prompt_attention as SDPA plus a softmax pass over query chunks: memory stays bounded by
+    PREFILL_CHUNK_ELEMENTS, and a query that sees one key gives it exactly 1 (thresholds compare)."""
     bsz, n_head, seqlen, head_dim = query.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
-    if query.device.type == "cpu":
-        k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k_rep, v_rep, 0.0, True)[:2]
-        lse = lse.view(bsz, n_kv, group, seqlen, 1)
-    else:
-        out, lse = F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True), None
+    out = F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True)
     q = (query * (1.0 / math.sqrt(head_dim))).view(bsz, n_kv, group, seqlen, head_dim)
     keys_t = k.transpose(-1, -2)
     received = torch.zeros(bsz, n_kv, seqlen, device=k.device)
@@ -351,7 +374,7 @@ def prompt_attention(query: Tensor, k: Tensor, v: Tensor, thresholding: bool = F
         scores = (q_rows @ keys_t[..., :end]).view(bsz, n_kv, group, rows, end).float()
         future = key_pos[start:end].view(1, -1) > key_pos[start:end].view(-1, 1)
         scores[..., start:end].masked_fill_(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1) if lse is None else scores.sub_(lse[:, :, :, start:end]).exp_()
+        probs = torch.softmax(scores, dim=-1)
         if thresholding:
             probs = (probs >= 1.0 / (key_pos[start:end] + 1).view(-1, 1).float()).float()
         received[..., :end] += probs.sum(dim=(2, 3))
