@@ -113,6 +113,7 @@ COLUMNS = [
     "bound_tok_s",
     "frac_of_bound",
     "compile_s",
+    "steal_pct",
     "tokens_sha",
     "error",
 ]
@@ -639,15 +640,29 @@ def run_grid(args, configs: list[Config], device) -> tuple[list[dict], dict]:
     return rows, info
 
 
+def cpu_steal_jiffies() -> tuple[int, int] | None:
+    """(steal, all) CPU time of this machine so far: steal is time the hypervisor ran other guests."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return fields[7], sum(fields)
+
+
 def measure(cfg: Config, device, fn, *fn_args) -> dict:
     """One row: fn(*fn_args) returns the measurements; a failure is recorded in the row, not raised."""
     row = {k: None for k in COLUMNS}
     row.update(asdict(cfg))
     row.update(compressor=cfg.compressor, device=str(device), threads=torch.get_num_threads(), error="")
     print(f"-- {cfg.tag}", flush=True)
+    steal_before = cpu_steal_jiffies()
     try:
         with torch.no_grad():
             row.update(fn(*fn_args))
+        steal_after = cpu_steal_jiffies()
+        if steal_before and steal_after and steal_after[1] > steal_before[1]:
+            row["steal_pct"] = 100.0 * (steal_after[0] - steal_before[0]) / (steal_after[1] - steal_before[1])
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:
@@ -689,6 +704,7 @@ TABLE = [
     ("bound_tok_s", "bound tok/s", "{:.1f}"),
     ("frac_of_bound", "of bound", "{:.0%}"),
     ("compile_s", "compile s", "{:.1f}"),
+    ("steal_pct", "steal %", "{:.0f}"),
 ]
 
 
@@ -729,35 +745,36 @@ def find(rows, **match) -> list[dict]:
     return [r for r in rows if not r["error"] and all(r[k] == v for k, v in match.items())]
 
 
+def judged_against_hf(rows: list[dict], ours: dict) -> bool:
+    """Targets against HF and the bandwidth bound judge our fast path: the compiled row where this
+    run has one for the same configuration; eager rows beside it are printed for information."""
+    same = {k: ours[k] for k in ("strategy", "budget", "context", "dtype", "cache_bits")}
+    return ours["mode"] == "compiled" or not find(rows, impl="ours", mode="compiled", **same)
+
+
 def compute_targets(rows: list[dict], short: int, long: int, memory: int) -> list[dict]:
-    """Issue-7 targets from this run's rows: one line per comparison, each with pass/fail."""
+    """Issue-7 targets from this run's rows: one line per comparison, each with pass/fail (None:
+    shown for information, not judged)."""
     out = []
 
     def add(target, what, value, passed, threshold):
         out.append(dict(target=target, what=what, value=value, passed=passed, threshold=threshold))
+
+    def add_vs_hf(target, what, ours, value, passed, threshold):
+        add(target, what, value, passed if judged_against_hf(rows, ours) else None, threshold)
 
     full = dict(impl="ours", strategy="full", cache_bits=None)
     for ctx, target, need in ((short, "1", 2.5), (long, "2", 2.0)):
         for hf in find(rows, impl="hf", context=ctx):
             for ours in find(rows, context=ctx, dtype=hf["dtype"], **full):
                 ratio = ours["decode_tok_s"] / hf["decode_tok_s"]
-                add(
-                    target,
-                    f"decode full @{ctx} {hf['dtype']} {ours['mode']}: ours/HF",
-                    ratio,
-                    ratio >= need,
-                    f">= {need}x",
-                )
+                what = f"decode full @{ctx} {hf['dtype']} {ours['mode']}: ours/HF"
+                add_vs_hf(target, what, ours, ratio, ratio >= need, f">= {need}x")
     for ours in find(rows, context=short, **full):
         if ours["frac_of_bound"] is not None:
             frac = ours["frac_of_bound"]
-            add(
-                "1",
-                f"decode full @{short} {ours['dtype']} {ours['mode']}: fraction of bound",
-                frac,
-                frac >= 0.65,
-                ">= 65%",
-            )
+            what = f"decode full @{short} {ours['dtype']} {ours['mode']}: fraction of bound"
+            add_vs_hf("1", what, ours, frac, frac >= 0.65, ">= 65%")
     for strategy in ("recent_global", "l2", "heavy_hitter"):
         for r in find(rows, impl="ours", strategy=strategy, budget=0.1, context=long, cache_bits=None):
             for base in find(rows, context=long, dtype=r["dtype"], mode=r["mode"], **full):
@@ -767,7 +784,9 @@ def compute_targets(rows: list[dict], short: int, long: int, memory: int) -> lis
     for hf in find(rows, impl="hf", context=long):
         for ours in find(rows, context=long, dtype=hf["dtype"], **full):
             ratio = ours["prefill_tok_s"] / hf["prefill_tok_s"]
-            add("4", f"prefill full @{long} {hf['dtype']} {ours['mode']}: ours/HF", ratio, ratio >= 1.0, ">= 1.0x")
+            add_vs_hf(
+                "4", f"prefill full @{long} {hf['dtype']} {ours['mode']}: ours/HF", ours, ratio, ratio >= 1.0, ">= 1.0x"
+            )
     for r in find(rows, impl="ours", strategy="heavy_hitter", context=long, cache_bits=None):
         for base in find(rows, context=long, dtype=r["dtype"], mode=r["mode"], **full):
             ratio = r["prefill_tok_s"] / base["prefill_tok_s"]
@@ -810,12 +829,19 @@ def format_targets(targets: list[dict]) -> str:
     lines = ["targets (issue 7; ratios within this run):"]
     for t in sorted(targets, key=lambda t: t["target"]):
         value = "" if t["value"] is None else (f"{t['value']:.0%}" if "%" in t["threshold"] else f"{t['value']:.2f}x")
-        verdict = "PASS" if t["passed"] else "FAIL"
+        verdict = {True: "PASS", False: "FAIL", None: "info"}[t["passed"]]
         lines.append(
             f"  [{verdict}] {t['target']}. {t['what']}: {value} (target {t['threshold']})".replace(":  (", ": (")
         )
-    passed = sum(t["passed"] for t in targets)
-    lines.append(f"  {passed}/{len(targets)} passed")
+    judged = [t for t in targets if t["passed"] is not None]
+    lines.append(
+        f"  {sum(t['passed'] for t in judged)}/{len(judged)} passed"
+        + (
+            " (info: eager rows where a compiled row is the one judged against HF and the bound)"
+            if len(judged) < len(targets)
+            else ""
+        )
+    )
     return "\n".join(lines)
 
 
