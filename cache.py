@@ -77,8 +77,9 @@ class KVCache(nn.Module):
     def return_attn(self) -> bool:
         return False
 
-    def prefill_state(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> dict[str, Tensor]:
-        """Per-prompt-token state [B, H, T] the strategy scores with, computed before compression."""
+    def prefill_state(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor, keep: Tensor | None):
+        """State [B, H, n] the strategy scores with, for the kept prompt tokens `keep` (None: all),
+        from the whole prompt: what a token received from tokens the cache drops still counts."""
         return {}
 
     def insert_state(self, slots: Tensor, k: Tensor, state: dict[str, Tensor]) -> None:
@@ -119,19 +120,24 @@ class KVCache(nn.Module):
         self.update_kv(input_pos, k, v, is_prefill=True, query=query, token_ids=token_ids)
         return F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True)
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor, state: dict | None = None) -> None:
-        """Fills the cache from the prompt, asking the prompt compressor when the prompt does not fit.
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> None:
+        keep = self.kept_prompt_tokens(input_pos, k, v, query)
+        self.insert_prompt(input_pos, k, v, keep, self.prefill_state(input_pos, k, v, query, keep))
 
-        `state` is the prefill state when the caller already computed it (see attend_prompt).
-        """
-        bsz, n_heads, seqlen, _ = k.shape
-        if state is None:
-            state = self.prefill_state(input_pos, k, v, query)
-        if seqlen > self.max_cache_length:
-            keep = self.prompt_compressor(input_pos, k, v, query, self.max_cache_length).expand(bsz, n_heads, -1)
+    def kept_prompt_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> Tensor | None:
+        """Indices [B, H, n] of the prompt tokens the cache keeps (the prompt compressor's choice when
+        the prompt does not fit), None when it keeps them all."""
+        if k.shape[2] <= self.max_cache_length:
+            return None
+        keep = self.prompt_compressor(input_pos, k, v, query, self.max_cache_length)
+        return keep.expand(k.shape[0], k.shape[1], -1)
+
+    def insert_prompt(self, input_pos: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, state: dict) -> None:
+        """Writes the kept prompt tokens (state already for those tokens) into slots 0..n-1."""
+        bsz, n_heads = k.shape[:2]
+        if keep is not None:
             gather = keep.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
             input_pos, k, v = input_pos[keep], k.gather(2, gather), v.gather(2, gather)
-            state = {name: s.gather(2, keep) for name, s in state.items()}
         slots = torch.arange(k.shape[2], device=k.device).expand(bsz, n_heads, -1)
         self.write(slots, input_pos.expand_as(slots), k, v)
         self.insert_state(slots, k, state)
@@ -235,12 +241,8 @@ class L2Cache(KVCache):
     def score(self, input_pos):
         return -self.key_norm
 
-    def prefill_state(self, input_pos, k, v, query):
-        return {"key_norm": k.float().norm(dim=-1)}
-
     def insert_state(self, slots, k, state):
-        norm = state.get("key_norm", k.float().norm(dim=-1))
-        self.write_slots(self.key_norm, slots, norm)
+        self.write_slots(self.key_norm, slots, k.float().norm(dim=-1))
 
     def reset_state(self):
         self.key_norm.zero_()
@@ -271,13 +273,14 @@ class HeavyHitterCache(KVCache):
     def score(self, input_pos):
         return self.attn_history.sum(-1) / self.attn_counter.clamp(min=1)
 
-    def prefill_state(self, input_pos, k, v, query):
-        return {"attn": prompt_attention(query, k, v, self.attn_thresholding)[1]}
+    def prefill_state(self, input_pos, k, v, query, keep):
+        return {"attn": prompt_attention(query, k, v, self.attn_thresholding, keep)[1]}
 
     def attend_prompt(self, input_pos, query, k, v, token_ids=None):
         """The attention statistics come from the pass that computes the output."""
-        out, received = prompt_attention(query, k, v, self.attn_thresholding)
-        self.prefill(input_pos, k, v, query, state={"attn": received})
+        keep = self.kept_prompt_tokens(input_pos, k, v, query)
+        out, received = prompt_attention(query, k, v, self.attn_thresholding, keep)
+        self.insert_prompt(input_pos, k, v, keep, {"attn": received})
         return out
 
     def insert_state(self, slots, k, state):
@@ -325,23 +328,31 @@ def cpu_flash_attention(query: Tensor, k: Tensor, v: Tensor, scale: float | None
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scale)[:2]
 
 
-def prompt_attention(query: Tensor, k: Tensor, v: Tensor, thresholding: bool = False) -> tuple[Tensor, Tensor]:
-    """Causal attention over the prompt: (output [B, H, T, D], mean attention each key receives from
-    the queries that can see it [B, H_kv, T]).
+def prompt_attention(
+    query: Tensor, k: Tensor, v: Tensor, thresholding: bool = False, keep: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Causal attention over the prompt: (output [B, H, T, D], mean attention that each kept key
+    (indices `keep` [B, H_kv, n]; None: every key) received from the queries that see it [B, H_kv, n]).
 
-    Never materializes heads x T x T. On CPU the fused kernel returns each query's log-sum-exp, and
-    the attention key j receives, sum over i >= j of exp(q_i.k_j / sqrt(d) - lse_i), is itself a
-    log-sum-exp: that of a second fused causal pass with keys and queries swapped, the sequence
+    Never materializes heads x T x T. On CPU the fused kernel returns each query's log-sum-exp, so
+    a probability is exp(score - lse): for kept keys that is one pass over the n kept keys. For all
+    keys, the attention key j receives, sum over i >= j of exp(q_i.k_j / sqrt(d) - lse_i), is itself
+    a log-sum-exp: that of a second fused causal pass with keys and queries swapped, the sequence
     reversed, and -lse_i appended to query i against a 1 appended to each key (split in two parts
     so bfloat16 keeps its precision). Thresholding counts probabilities one by one, so it (and
-    devices without that kernel) takes the chunked pass.
+    devices without that kernel) takes the chunked softmax pass.
     """
     if query.device.type != "cpu" or thresholding:
-        return chunked_prompt_attention(query, k, v, thresholding)
+        out, received = chunked_prompt_attention(query, k, v, thresholding)
+        return out, (received if keep is None else received.gather(2, keep))
     bsz, n_head, seqlen, head_dim = query.shape
     group = n_head // k.shape[1]
     k_rep = k.repeat_interleave(group, dim=1)
     out, lse = cpu_flash_attention(query, k_rep, v.repeat_interleave(group, dim=1))
+    if keep is not None:
+        return out, attention_received_by(
+            query, k.gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, head_dim)), keep, lse
+        )
     lse = lse.unsqueeze(-1) * -math.sqrt(head_dim)  # the kernel scales every score by 1/sqrt(head_dim)
     lse_hi = lse.to(query.dtype)
     lse_lo = (lse - lse_hi.float()).to(query.dtype)
@@ -352,6 +363,32 @@ def prompt_attention(query: Tensor, k: Tensor, v: Tensor, thresholding: bool = F
     received_lse = cpu_flash_attention(keys_as_queries, queries_as_keys, torch.zeros_like(queries_as_keys), scale)[1]
     received = received_lse.flip(2).exp().view(bsz, -1, group, seqlen).sum(2)
     return out, received / (group * torch.arange(seqlen, 0, -1, device=k.device).float())
+
+
+@torch.compiler.disable  # a Python loop over the prompt's chunks: compiling it would unroll every chunk
+def attention_received_by(query: Tensor, keys: Tensor, key_pos: Tensor, lse: Tensor) -> Tensor:
+    """Mean attention [B, H_kv, n] that keys [B, H_kv, n, D] at prompt positions key_pos [B, H_kv, n]
+    (ascending, as compressors return them) received, from each query's log-sum-exp lse [B, H, T]
+    over the whole prompt: exp(q.k / sqrt(d) - lse), one float32 matmul with -lse appended to q and
+    1 to k, summed over the queries that see the key, in query chunks of PREFILL_CHUNK_ELEMENTS.
+    A chunk skips the keys that come after all of its queries."""
+    bsz, n_head, seqlen, head_dim = query.shape
+    n_kv, n_keys = keys.shape[1], keys.shape[2]
+    group = n_head // n_kv
+    q = (query.float() * (1.0 / math.sqrt(head_dim))).view(bsz, n_kv, group, seqlen, head_dim)
+    q = torch.cat([q, -lse.view(bsz, n_kv, group, seqlen, 1)], dim=-1)
+    keys_t = torch.cat([keys.float(), keys.new_ones(bsz, n_kv, n_keys, 1, dtype=torch.float)], dim=-1)
+    keys_t = keys_t.transpose(-1, -2).unsqueeze(2)
+    first_seen = key_pos.view(bsz, n_kv, 1, 1, n_keys)
+    received = torch.zeros(bsz, n_kv, n_keys, device=keys.device)
+    chunk = max(1, PREFILL_CHUNK_ELEMENTS // (n_head * n_keys))
+    for start in range(0, seqlen, chunk):
+        end = min(start + chunk, seqlen)
+        seen = int((key_pos < end).sum(-1).max())
+        probs = (q[:, :, :, start:end] @ keys_t[..., :seen]).exp_()
+        query_pos = torch.arange(start, end, device=keys.device).view(-1, 1)
+        received[..., :seen] += probs.masked_fill_(query_pos < first_seen[..., :seen], 0.0).sum(dim=(2, 3))
+    return received / (group * (seqlen - key_pos).float())
 
 
 @torch.compiler.disable  # a Python loop over the prompt's chunks: compiling it would unroll every chunk

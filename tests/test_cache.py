@@ -399,16 +399,26 @@ def test_prompt_attention_matches_brute_force_and_sdpa(thresholding, monkeypatch
     for out, received in results:
         torch.testing.assert_close(received, expected)
         torch.testing.assert_close(out, expected_out)
+    # kept keys only (each KV head its own, in position order), in one chunk and in chunks of 2 queries
+    keep = torch.tensor([[[0, 3, 4, 9, 12], [1, 2, 7, 8, 12]]])
+    for chunk_rows in (13, 2):
+        monkeypatch.setattr(cache_module, "PREFILL_CHUNK_ELEMENTS", 4 * 5 * chunk_rows)
+        out, received = cache_module.prompt_attention(q, k, v, thresholding, keep)
+        torch.testing.assert_close(received, expected.gather(2, keep))
+        torch.testing.assert_close(out, expected_out)
 
 
 def test_prompt_attention_statistics_keep_their_precision_in_bfloat16():
-    """The log-sum-exp pass stays within 0.1% of float64 on the same bfloat16 inputs."""
+    """The log-sum-exp passes (all keys, kept keys) stay within 0.1% of float64 on the same bfloat16 inputs."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 300, HEAD_DIM, generator=g) for h in (4, 2, 2))
     q = q * 3  # peaked attention: the log-sum-exp is far from 0
     expected = brute_force_attention_received(q.bfloat16().double(), k.bfloat16().double(), False).float()
     received = cache_module.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())[1]
     torch.testing.assert_close(received, expected, rtol=1e-3, atol=0)
+    keep = torch.arange(0, 300, 7).view(1, 1, -1).expand(1, 2, -1)
+    received = cache_module.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), keep=keep)[1]
+    torch.testing.assert_close(received, expected.gather(2, keep), rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize("compressor", ["recent_global", "heavy_hitter", "l2", "keep_it_odd"])
