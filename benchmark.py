@@ -818,8 +818,12 @@ def compute_targets(rows: list[dict], short: int, long: int, memory: int) -> lis
             what = f"decode compiled / eager, {r['strategy']} {r['budget']:g} @{r['context']} {r['dtype']}"
             add("6", what, ratio, ratio >= 1.3, ">= 1.3x")
             same = r["tokens_sha"] == base["tokens_sha"]
-            add("7", f"greedy tokens compiled == eager, {r['strategy']} {r['budget']:g} @{r['context']} {r['dtype']}",
-                None, same, "identical")  # fmt: skip
+            config = f"{r['strategy']} {r['budget']:g} @{r['context']} {r['dtype']}"
+            add("7", f"greedy tokens compiled == eager, {config}", None, same, "identical")
+            if not same and r["dtype"] != "float32":  # rounding order, or a bug? float32 tokens tell
+                for exact in find(rows, impl="ours", mode="eager", **{**key, "dtype": "float32"}):
+                    verdict = "==" if r["tokens_sha"] == exact["tokens_sha"] else "!="
+                    add("7", f"greedy tokens compiled {config} {verdict} eager float32", None, None, "")
     return out
 
 
@@ -830,9 +834,8 @@ def format_targets(targets: list[dict]) -> str:
     for t in sorted(targets, key=lambda t: t["target"]):
         value = "" if t["value"] is None else (f"{t['value']:.0%}" if "%" in t["threshold"] else f"{t['value']:.2f}x")
         verdict = {True: "PASS", False: "FAIL", None: "info"}[t["passed"]]
-        lines.append(
-            f"  [{verdict}] {t['target']}. {t['what']}: {value} (target {t['threshold']})".replace(":  (", ": (")
-        )
+        target = f" (target {t['threshold']})" if t["threshold"] else ""
+        lines.append(f"  [{verdict}] {t['target']}. {t['what']}: {value}{target}".replace(":  (", ": (").rstrip(": "))
     judged = [t for t in targets if t["passed"] is not None]
     lines.append(
         f"  {sum(t['passed'] for t in judged)}/{len(judged)} passed"
