@@ -840,7 +840,8 @@ def format_targets(targets: list[dict]) -> str:
     lines.append(
         f"  {sum(t['passed'] for t in judged)}/{len(judged)} passed"
         + (
-            " (info: eager rows where a compiled row is the one judged against HF and the bound)"
+            " (info lines are not judged: eager rows beside the compiled row judged against HF and the bound,"
+            " and compiled tokens compared with float32)"
             if len(judged) < len(targets)
             else ""
         )

@@ -121,6 +121,7 @@ class KVCache(nn.Module):
         return F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True)
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> None:
+        """Fills the cache from the prompt: the tokens its compressor keeps, with their state."""
         keep = self.kept_prompt_tokens(input_pos, k, v, query)
         self.insert_prompt(input_pos, k, v, keep, self.prefill_state(input_pos, k, v, query, keep))
 
