@@ -69,7 +69,7 @@ TARGET_PLAN = [
         strategies=["recent_global", "l2", "heavy_hitter"], budgets=[0.1], contexts=[4096], modes=["eager", "compiled"]
     ),
     dict(strategies=["full", "heavy_hitter"], budgets=[0.1], contexts=[8192]),
-    dict(strategies=["full"], contexts=[4096], cache_bits=[4]),
+    dict(strategies=["full"], contexts=[4096], cache_bits=[4], modes=["eager", "compiled"]),
 ]
 QUICK = dict(
     strategies=["full", "heavy_hitter"],

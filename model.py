@@ -181,6 +181,20 @@ transformer_configs = {
 }
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose one-token bfloat16 product on CPU runs as torch.mv: a decode step's
+    projections are matrix-vector products, and torch.mv streams bfloat16 weights faster than
+    F.linear's GEMM (eager full decode @512: 12-16% faster). Compiled graphs keep F.linear, which
+    inductor lowers to a faster kernel than its decomposition of mv."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        one_cpu_bf16_token = x.shape[:-1].numel() == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+        if torch.compiler.is_compiling() or not one_cpu_bf16_token:
+            return super().forward(x)
+        y = torch.mv(self.weight, x.reshape(-1))
+        return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], -1)
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelArgs) -> None:
         super().__init__()
@@ -188,7 +202,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.freqs_cis: Tensor | None = None
@@ -243,8 +257,8 @@ class Attention(nn.Module):
         self.n_local_heads = config.n_local_heads
         self.head_dim = config.head_dim
         total_head_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
-        self.wqkv = nn.Linear(config.dim, total_head_dim, bias=config.attention_bias)
-        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        self.wqkv = Linear(config.dim, total_head_dim, bias=config.attention_bias)
+        self.wo = Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: nn.Module | None = None
 
     def forward(
@@ -311,9 +325,9 @@ def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]
 class FeedForward(nn.Module):
     def __init__(self, config: ModelArgs) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)
-        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)
-        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        self.w1 = Linear(config.dim, config.intermediate_size, bias=False)
+        self.w3 = Linear(config.dim, config.intermediate_size, bias=False)
+        self.w2 = Linear(config.intermediate_size, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

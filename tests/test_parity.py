@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from convert_hf_checkpoint import convert_hf_checkpoint, main
 from transformers import (
     AutoModelForCausalLM,
@@ -25,7 +26,7 @@ from transformers import (
 from cache import default_cache_kwargs
 from generation import generate as our_generate
 from generation import load_model
-from model import ModelArgs
+from model import Linear, ModelArgs
 from tokenizer import get_tokenizer
 
 LOGITS_ATOL = 1e-3
@@ -189,6 +190,19 @@ def test_tiny_greedy_continuation_matches_transformers(tiny):
     ids = tiny_ids(48, seed=2)
     ref = hf_greedy(hf, ids, 16)
     assert our_greedy(ours, ids, 16) == ref, kind
+
+
+def test_one_bfloat16_token_projects_through_mv_and_matches_linear():
+    """The decode fast path (torch.mv for one bfloat16 token on CPU) computes the same projection."""
+    layer = Linear(96, 40, bias=True).to(torch.bfloat16)
+    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (1, 1, 40) and y.dtype == torch.bfloat16
+    assert torch.equal(y.view(-1), torch.mv(layer.weight, x.view(-1)) + layer.bias)
+    exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    torch.testing.assert_close(y.double(), exact, rtol=2e-2, atol=2e-2)
+    two = torch.randn(1, 2, 96, dtype=torch.bfloat16)  # a prompt keeps the GEMM
+    assert torch.equal(layer(two), F.linear(two, layer.weight, layer.bias))
 
 
 # ---------------------------------------------------------------- the converter itself
