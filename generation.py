@@ -136,11 +136,14 @@ def compile_steps(model_fns: dict) -> dict:
     the steps across many cache configurations, hence the higher recompile limit. Freezing folds
     the weights into the graph (cache buffers stay mutable); compiled steps then serve one model.
     Decode also autotunes its matmuls (on a 2-core CPU: +30% bf16 decode for no longer compile);
-    CUDA graphs stay off because the step's inputs are fresh tensors each call.
+    CUDA graphs stay off because the step's inputs are fresh tensors each call. Precision casts
+    are emulated so that fused bfloat16 kernels round where eager rounds: compiled greedy tokens
+    then equal eager ones (measured at no decode cost on CPU).
     """
     from torch._inductor import select_algorithm  # inductor loads only when compiling
 
     torch._inductor.config.fallback_random = True
+    torch._inductor.config.emulate_precision_casts = True  # bf16: compiled tokens == eager tokens
     torch._inductor.config.freezing = True  # weights as constants: ~1.8x faster bf16 decode on CPU
     torch._dynamo.config.recompile_limit = 64
     torch._inductor.config.max_autotune_report_choices_stats = False  # autotuning reports flood stderr
