@@ -26,7 +26,7 @@ from transformers import (
 from cache import default_cache_kwargs
 from generation import generate as our_generate
 from generation import load_model
-from model import Linear, ModelArgs
+from model import HALF_MATMUL_IS_EMULATED, Linear, ModelArgs
 from tokenizer import get_tokenizer
 
 LOGITS_ATOL = 1e-3
@@ -203,6 +203,21 @@ def test_one_bfloat16_token_projects_through_mv_and_matches_linear():
     torch.testing.assert_close(y.double(), exact, rtol=2e-2, atol=2e-2)
     two = torch.randn(1, 2, 96, dtype=torch.bfloat16)  # a prompt keeps the GEMM
     assert torch.equal(layer(two), F.linear(two, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_prompt_projects_through_one_float32_gemm(dtype):
+    """On a CPU without half-precision instructions, a many-token projection is the float32 product
+    of the same values, rounded once: within the dtype's rounding of the exact product."""
+    layer = Linear(96, 40, bias=True).to(dtype)
+    x = torch.randn(2, 16, 96, dtype=dtype)
+    y = layer(x)
+    assert y.shape == (2, 16, 40) and y.dtype == dtype
+    exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    torch.testing.assert_close(y.double(), exact, rtol=2e-2, atol=2e-2)
+    upcast = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype)
+    if HALF_MATMUL_IS_EMULATED:
+        assert torch.equal(y, upcast)
 
 
 # ---------------------------------------------------------------- the converter itself
