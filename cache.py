@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor
 
-from model import attention_with_probs
+from model import attention_with_probs, matmul_dtype
 from prompt_compression import get_prompt_compressor, prompt_compressor_is_head_specific
 from quantization_utils import SUPPORTED_BITS, QuantizedTensor, packed_dim, quantize
 
@@ -400,8 +400,9 @@ def chunked_prompt_attention(query: Tensor, k: Tensor, v: Tensor, thresholding: 
     n_kv = k.shape[1]
     group = n_head // n_kv
     out = F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True)
-    q = (query * (1.0 / math.sqrt(head_dim))).view(bsz, n_kv, group, seqlen, head_dim)
-    keys_t = k.transpose(-1, -2)
+    work = matmul_dtype(k)
+    q = (query * (1.0 / math.sqrt(head_dim))).to(work).view(bsz, n_kv, group, seqlen, head_dim)
+    keys_t = k.transpose(-1, -2).to(work)
     received = torch.zeros(bsz, n_kv, seqlen, device=k.device)
     chunk = max(1, PREFILL_CHUNK_ELEMENTS // (n_head * seqlen))
     key_pos = torch.arange(seqlen, device=k.device)

@@ -23,6 +23,7 @@ from cache import (
     layer_strategies,
     resolve_recent_window,
 )
+from model import HALF_MATMUL_IS_EMULATED, attention_with_probs
 from prompt_compression import get_prompt_compressor
 from quantization_utils import QuantizedTensor, dequantize
 
@@ -419,6 +420,22 @@ def test_prompt_attention_statistics_keep_their_precision_in_bfloat16():
     keep = torch.arange(0, 300, 7).view(1, 1, -1).expand(1, 2, -1)
     received = cache_module.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), keep=keep)[1]
     torch.testing.assert_close(received, expected.gather(2, keep), rtol=1e-3, atol=0)
+
+
+def test_decode_attention_probabilities_in_bfloat16():
+    """Scores of bfloat16 queries and keys: exact float32 products where the CPU emulates bfloat16
+    (no rounding of the scores to bfloat16), else within bfloat16 rounding; outputs in bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, HEAD_DIM, generator=g).bfloat16() for n in (3, 40, 40))
+    mask = torch.arange(40).view(1, 1, 1, -1) < 35
+    out, probs = attention_with_probs(q, k, v, mask)
+    exact = torch.softmax(
+        (q.double() @ k.double().transpose(-1, -2) / math.sqrt(HEAD_DIM)).masked_fill(~mask, -math.inf), -1
+    )
+    tolerance = 1e-5 if HALF_MATMUL_IS_EMULATED else 2e-2
+    torch.testing.assert_close(probs.double(), exact, rtol=tolerance, atol=tolerance)
+    assert out.dtype == torch.bfloat16 and probs[..., 35:].eq(0).all()
+    torch.testing.assert_close(out.double(), exact @ v.double(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("compressor", ["recent_global", "heavy_hitter", "l2", "keep_it_odd"])
