@@ -815,10 +815,10 @@ def compute_targets(rows: list[dict], short: int, long: int, memory: int) -> lis
         key = {k: r[k] for k in ("strategy", "budget", "context", "dtype", "cache_bits")}
         for base in find(rows, impl="ours", mode="eager", **key):
             ratio = r["decode_tok_s"] / base["decode_tok_s"]
-            what = f"decode compiled / eager, {r['strategy']} {r['budget']:g} @{r['context']} {r['dtype']}"
-            add("6", what, ratio, ratio >= 1.3, ">= 1.3x")
+            bits = f" {r['cache_bits']}-bit" if r["cache_bits"] else ""
+            config = f"{r['strategy']} {r['budget']:g} @{r['context']} {r['dtype']}{bits}"
+            add("6", f"decode compiled / eager, {config}", ratio, ratio >= 1.3, ">= 1.3x")
             same = r["tokens_sha"] == base["tokens_sha"]
-            config = f"{r['strategy']} {r['budget']:g} @{r['context']} {r['dtype']}"
             add("7", f"greedy tokens compiled == eager, {config}", None, same, "identical")
             if not same and r["dtype"] != "float32":  # rounding order, or a bug? float32 tokens tell
                 for exact in find(rows, impl="ours", mode="eager", **{**key, "dtype": "float32"}):

@@ -133,9 +133,12 @@ def compile_steps(model_fns: dict) -> dict:
     """torch.compile of the decode step (fixed shapes) and of prefill (dynamic prompt length).
 
     Inductor's own RNG would make `random` eviction differ from eager; eval and benchmark reuse
-    the steps across many cache configurations, hence the higher recompile limit. Freezing folds
-    the weights into the graph (cache buffers stay mutable); compiled steps then serve one model.
-    Decode also autotunes its matmuls (on a 2-core CPU: +30% bf16 decode for no longer compile);
+    the steps across many cache configurations, hence the higher recompile limit. Decode freezes
+    the weights into the graph (cache buffers stay mutable; ~1.8x faster bf16 decode on CPU), so
+    compiled steps serve one model. Prefill does not: frozen weights swap eager's GEMM for a
+    prepacked one that sums in another order, and a bfloat16 prompt projected in float32 (see
+    model.Linear) then rounds differently from eager. Decode also autotunes its matmuls (on a 2-core
+    CPU: +30% bf16 decode for no longer compile);
     CUDA graphs stay off because the step's inputs are fresh tensors each call. Precision casts
     are emulated so that fused bfloat16 kernels round where eager rounds: compiled greedy tokens
     then equal eager ones (measured at no decode cost on CPU).
@@ -144,13 +147,13 @@ def compile_steps(model_fns: dict) -> dict:
 
     torch._inductor.config.fallback_random = True
     torch._inductor.config.emulate_precision_casts = True  # bf16: compiled tokens == eager tokens
-    torch._inductor.config.freezing = True  # weights as constants: ~1.8x faster bf16 decode on CPU
+    torch._inductor.config.freezing = True
     torch._dynamo.config.recompile_limit = 64
     torch._inductor.config.max_autotune_report_choices_stats = False  # autotuning reports flood stderr
     select_algorithm.PRINT_AUTOTUNE = False
     return {
         "decode": torch.compile(model_fns["decode"], fullgraph=True, mode="max-autotune-no-cudagraphs"),
-        "prefill": torch.compile(model_fns["prefill"], dynamic=True),
+        "prefill": torch.compile(model_fns["prefill"], dynamic=True, options={"freezing": False}),
     }
 
 
