@@ -21,7 +21,7 @@ import generate as generate_cli
 import generation
 from cache import default_cache_kwargs
 from generation import DEFAULT_CHECKPOINT, load_model
-from model import Linear
+from model import Linear, RMSNorm
 from tokenizer import get_tokenizer
 
 SHORT_PROMPT = "What is a cold compress?"
@@ -274,13 +274,18 @@ def test_compile_gives_eager_tokens(name, dtype, tiny, monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_prefill_projects_a_bfloat16_prompt_exactly_as_eager(monkeypatch):
-    """The embedded model's projection shape, where the tiny model's are too small to show it: with
-    frozen weights, a bfloat16 prompt projected in float32 (CPUs without bf16 instructions) came out
-    of a prepacked GEMM that differed from eager in ~1 of 8,000 values, enough to change greedy tokens."""
+def test_compiled_prefill_normalizes_and_projects_a_bfloat16_prompt_exactly_as_eager(monkeypatch):
+    """At the embedded model's sizes, where the tiny model's are too small to show it. With frozen
+    weights, a bfloat16 prompt projected in float32 (CPUs without bf16 instructions) came out of a
+    prepacked GEMM that differed from eager in ~1 of 8,000 values; a fused RMSNorm summing float32
+    squares in its own order differed in ~1 of 200,000. Either changes greedy tokens."""
     torch.manual_seed(0)
+    embedding = torch.nn.Embedding(49152, 576).to(torch.bfloat16).requires_grad_(False)
+    norm = RMSNorm(576).to(torch.bfloat16).requires_grad_(False)
     layer = Linear(576, 1536, bias=False).to(torch.bfloat16).requires_grad_(False)
-    prompt = torch.randn(1, 512, 576, dtype=torch.bfloat16)
+    ids = torch.randint(0, 49152, (1, 4096))
     steps = fresh_compile_steps({"prefill": lambda m, x: m(x), "decode": lambda m, x: m(x)}, monkeypatch)
-    assert torch.equal(steps["prefill"](layer, prompt), layer(prompt))
+    x = embedding(ids)
+    assert torch.equal(steps["prefill"](norm, x), norm(x))
+    assert torch.equal(steps["prefill"](layer, x[:, :512]), layer(x[:, :512]))
     torch._dynamo.reset()
