@@ -368,11 +368,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        """The mean square accumulates in float64, so eager's and a fused kernel's summation orders
-        round to the same float32 scale: the compiled bfloat16 prefill of 4,096 tokens is then
-        bit-identical to eager's (with float32 sums, ~1 in 200,000 normalized values differed)."""
+        """The mean square accumulates in float64 (MPS has none: float32), so eager's and a fused
+        kernel's summation orders round to the same float32 scale: the compiled bfloat16 prefill of
+        4,096 tokens is then bit-identical to eager's (with float32 sums, ~1 in 200,000 normalized
+        values differed)."""
         xf = x.float()
-        scale = torch.rsqrt(xf.double().pow(2).mean(-1, keepdim=True) + self.eps).float()
+        accumulate = torch.float32 if x.device.type == "mps" else torch.float64
+        scale = torch.rsqrt(xf.to(accumulate).pow(2).mean(-1, keepdim=True) + self.eps).float()
         return (xf * scale).type_as(x) * self.weight
 
 
