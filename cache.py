@@ -145,24 +145,32 @@ class KVCache(nn.Module):
 
     def write(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """Stores k/v [B, H, n, D] into slots [B, H, n], quantizing when the cache is low-bit."""
-        self.write_slots(self.pos, slots, positions)
+        rows = self.flat_rows(slots)
+        self.write_rows(self.pos, rows, positions)
         if self.cache_bits is None:
-            self.write_slots(self.k_cache, slots, k)
-            self.write_slots(self.v_cache, slots, v)
+            self.write_rows(self.k_cache, rows, k)
+            self.write_rows(self.v_cache, rows, v)
             return
         for name, x in (("k", k), ("v", v)):
             packed, scale, zero = quantize(x.to(self.dtype), self.cache_bits)
-            self.write_slots(getattr(self, f"{name}_packed"), slots, packed)
-            self.write_slots(getattr(self, f"{name}_scale"), slots, scale)
-            self.write_slots(getattr(self, f"{name}_zero"), slots, zero)
+            self.write_rows(getattr(self, f"{name}_packed"), rows, packed)
+            self.write_rows(getattr(self, f"{name}_scale"), rows, scale)
+            self.write_rows(getattr(self, f"{name}_zero"), rows, zero)
 
     def write_slots(self, buffer: Tensor, slots: Tensor, values) -> None:
-        """buffer[b, h, slots[b, h, i]] = values[b, h, i] (or a number) for a [B, H, L, ...] buffer.
+        """buffer[b, h, slots[b, h, i]] = values[b, h, i] (or a number) for a [B, H, L, ...] buffer."""
+        self.write_rows(buffer, self.flat_rows(slots), values)
+
+    def flat_rows(self, slots: Tensor) -> Tensor:
+        """Rows of slots [B, H, n] in a [B, H, L, ...] buffer viewed as [B * H * L, ...]."""
+        return (self.row_offsets + slots).flatten()
+
+    def write_rows(self, buffer: Tensor, rows: Tensor, values) -> None:
+        """write_slots with flat_rows computed once for several buffers.
 
         One index_copy_ over flattened (batch, head, slot) rows: scatter_ copies the whole buffer on
         CPU for some dtypes, which made each decode step proportional to the cache length.
         """
-        rows = (self.row_offsets + slots).flatten()
         flat = buffer.view(-1, *buffer.shape[3:])
         if isinstance(values, Tensor):
             flat.index_copy_(0, rows, values.reshape(-1, *buffer.shape[3:]).to(buffer.dtype))

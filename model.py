@@ -295,10 +295,10 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary_emb(q.view(bsz, seqlen, self.n_head, self.head_dim), freqs_cis)
-        k = apply_rotary_emb(k.view(bsz, seqlen, self.n_local_heads, self.head_dim), freqs_cis)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        qk, v = self.wqkv(x).split([q_size + kv_size, kv_size], dim=-1)
+        # One rotation for the query and key heads together: half the ops of an eager decode step's RoPE.
+        qk = apply_rotary_emb(qk.view(bsz, seqlen, self.n_head + self.n_local_heads, self.head_dim), freqs_cis)
+        q, k = qk.transpose(1, 2).split([self.n_head, self.n_local_heads], dim=1)
         v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim).transpose(1, 2)
         if is_prefill:
             y = self.prefill_attention(q, k, v, input_pos, token_ids)
