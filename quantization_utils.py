@@ -47,9 +47,15 @@ def pack(codes: Tensor, bits: int) -> Tensor:
 
 
 def _code_chunks(packed: Tensor, bits: int) -> list[Tensor]:
+    """The bit fields of ``packed``, lowest first. The lowest needs no shift and the highest no mask:
+    in eager mode every op skipped is a pass over the whole cache saved at each decode step."""
     _check_bits(bits)
     mask = (1 << bits) - 1
-    return [(packed >> shift) & mask for shift in range(0, 8, bits)]
+    chunks = []
+    for shift in range(0, 8, bits):
+        field = packed >> shift if shift else packed
+        chunks.append(field if shift + bits == 8 else field & mask)
+    return chunks
 
 
 def unpack(packed: Tensor, bits: int) -> Tensor:
