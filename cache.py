@@ -293,14 +293,15 @@ class HeavyHitterCache(KVCache):
         return out
 
     def insert_state(self, slots, k, state):
+        rows = self.flat_rows(slots)
         if "attn" not in state:  # decode: the new token's history starts with this step's attention
-            self.write_slots(self.attn_history, slots, 0.0)
-            self.write_slots(self.attn_counter, slots, 0.0)
+            self.write_rows(self.attn_history, rows, 0.0)
+            self.write_rows(self.attn_counter, rows, 0.0)
             return
         history = torch.zeros(*slots.shape, self.history_window_size, device=slots.device)
         history[..., 0] = state["attn"]
-        self.write_slots(self.attn_history, slots, history)
-        self.write_slots(self.attn_counter, slots, 1.0)
+        self.write_rows(self.attn_history, rows, history)
+        self.write_rows(self.attn_counter, rows, 1.0)
         self.step.fill_(1 if slots.shape[-1] else 0)
 
     def update_state(self, input_pos, k, v, is_prefill, attn):
@@ -550,11 +551,12 @@ class HybridCache(KVCache):
 
     def insert_state(self, slots, k, state):
         """Marks new tokens special/punctuation and kept; token ids arrive with the write."""
-        self.write_slots(self.kept, slots, True)
-        self.write_slots(self.attn_sum, slots, 0.0)
+        rows = self.flat_rows(slots)
+        self.write_rows(self.kept, rows, True)
+        self.write_rows(self.attn_sum, rows, 0.0)
         ids = self.new_token_ids.view(1, 1, -1).expand_as(slots)
-        self.write_slots(self.is_special, slots, torch.isin(ids, self.special_ids))
-        self.write_slots(self.is_punc, slots, torch.isin(ids, self.punctuation_ids))
+        self.write_rows(self.is_special, rows, torch.isin(ids, self.special_ids))
+        self.write_rows(self.is_punc, rows, torch.isin(ids, self.punctuation_ids))
 
     def policy_mask(self, input_pos: Tensor, policy_parts: Tensor | None = None) -> Tensor:
         """Which slots each head's policy keeps at position input_pos, [B, H, L] (or [P, B, H, L])."""
