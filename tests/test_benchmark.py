@@ -26,7 +26,7 @@ def parsed(*argv: str):
 def test_default_plan_covers_every_issue_target():
     args = parsed()
     configs = set(plan_configs(args))
-    assert args.compare == "hf" and args.bound and args.target_contexts == [512, 4096, 8192]
+    assert args.compare == "hf" and args.bound and args.target_contexts == [512, 4096, 8192] and args.rounds == 2
     for ctx in (512, 4096):
         for dtype in ("bfloat16", "float32"):
             for mode in ("eager", "compiled"):
@@ -44,7 +44,7 @@ def test_grid_is_a_cartesian_product_and_full_ignores_budgets():
         "--context_lengths", "64", "--dtypes", "float32", "--modes", "eager", "compiled", "--cache_bits", "none", "4",
     )  # fmt: skip
     configs = plan_configs(args)
-    assert args.compare == "none" and not args.bound
+    assert args.compare == "none" and not args.bound and args.rounds == 1
     full = [c for c in configs if c.strategy == "full"]
     l2 = [c for c in configs if c.strategy == "l2"]
     assert len(full) == 2 * 2 and all(c.budget == 1.0 for c in full)  # modes x bits, once each
@@ -77,6 +77,37 @@ def row(**kw) -> dict:
     base.update(decode_tok_s=10.0, prefill_tok_s=100.0, prefill_peak_mib=100.0, cache_mib=10.0, tokens_sha="a")
     base.update(kw)
     return base
+
+
+def test_rounds_run_round_robin_and_keep_each_rows_fastest_prefill_and_decode():
+    full, l2 = (
+        Config("ours", "full", 1.0, 64, "float32", "eager", None),
+        Config("ours", "l2", 0.1, 64, "float32", "eager", None),
+    )
+    speeds = {(full, 0): (10.0, 100.0), (l2, 0): (14.0, 90.0), (full, 1): (12.0, 80.0), (l2, 1): (13.0, 95.0)}
+    order = []
+
+    def measure_one(cfg, round_index):
+        order.append((cfg.strategy, round_index))
+        decode, prefill = speeds[cfg, round_index]
+        return row(
+            strategy=cfg.strategy,
+            decode_tok_s=decode,
+            prefill_tok_s=prefill,
+            prefill_s=64 / prefill,
+            peak_mem_mib=decode,
+        )
+
+    rows = benchmark.in_rounds([full, l2], 2, measure_one)
+    assert order == [("full", 0), ("l2", 0), ("full", 1), ("l2", 1)]
+    assert [(r["strategy"], r["decode_tok_s"], r["prefill_tok_s"], r["rounds"]) for r in rows] == [
+        ("full", 12.0, 100.0, 2),
+        ("l2", 14.0, 95.0, 2),
+    ]
+    assert rows[0]["peak_mem_mib"] == 12.0 and rows[0]["prefill_s"] == pytest.approx(0.64)  # decode round's memory
+    failed, ok = row(error="RuntimeError: boom", decode_tok_s=None), row(decode_tok_s=3.0)
+    assert benchmark.fastest([failed, ok])["decode_tok_s"] == 3.0 and benchmark.fastest([failed]) is failed
+    assert benchmark.fastest([ok, row(tokens_sha="b")])["error"] == "greedy tokens differ between rounds"
 
 
 def by_what(targets) -> dict:
@@ -142,7 +173,7 @@ def test_quick_run_writes_a_csv_of_positive_measurements(smollm2_checkpoint, tmp
     out, trace = tmp_path / "bench.csv", tmp_path / "trace.json"
     cmd = [
         sys.executable, str(ROOT / "benchmark.py"), "--quick", "--strategies", "full", "recent_global",
-        "--context_lengths", "48", "--decode_steps", "3", "--warmup", "1", "--device", "cpu",
+        "--context_lengths", "48", "--decode_steps", "3", "--warmup", "1", "--rounds", "2", "--device", "cpu",
         "--checkpoint_path", str(smollm2_checkpoint), "--csv", str(out), "--profile", str(trace), "--profile_steps", "1",
     ]  # fmt: skip
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -157,7 +188,7 @@ def test_quick_run_writes_a_csv_of_positive_measurements(smollm2_checkpoint, tmp
         for column in ("prefill_tok_s", "decode_tok_s", "decode_ms", "prefill_peak_mib", "peak_mem_mib", "cache_mib"):
             value = float(r[column])
             assert math.isfinite(value) and value > 0, (column, r[column])
-        assert int(r["decode_steps"]) == 3
+        assert int(r["decode_steps"]) == 3 and int(r["rounds"]) == 2
     full, compressed = rows
     assert float(compressed["cache_mib"]) < float(full["cache_mib"])
     assert 0 < float(compressed["compression_ratio"]) < 1
