@@ -200,8 +200,9 @@ class Linear(nn.Linear):
 
     One token (a decode step's matrix-vector products): eager bfloat16 runs torch.mv (full decode
     @512: 12-16% faster than F.linear's GEMM), compiled float32 a multiply and row sum that inductor
-    fuses into one pass over the weights (@512: +23%); compiled bfloat16 keeps F.linear, whose kernel was
-    faster. Many tokens in half precision on a CPU without half-precision instructions (a prefill):
+    fuses into one pass over the weights (@512: +23%); compiled bfloat16 keeps F.linear, which inductor
+    leaves to ATen's GEMM: for one row it sums in torch.mv's order, so compiled rounds as eager does
+    (torch.mv itself inductor would decompose into a reduction that sums in another order). Many tokens in half precision on a CPU without half-precision instructions (a prefill):
     the exact float32 upcast, a float32 GEMM and one rounding back (bfloat16 prefill @2000: 5x faster).
     """
 

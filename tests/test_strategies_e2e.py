@@ -4,7 +4,7 @@
   full-cache greedy output (bfloat16, the CLI default, is exact here); statistics of a ~1,500-token
   needle-in-a-haystack run at a 25% budget equal SPEC section 7 worked by hand; an 8-bit cache gives
   the unquantized greedy output (float32: in bfloat16 the two drift apart after ~16 tokens) and a
-  4-bit cache's memory counts packed bytes.
+  4-bit cache's memory counts packed bytes; compiled bfloat16 decode gives eager's logits bit for bit.
 * fast, on a tiny random model: generation with compressed caches of every strategy runs and keeps
   its budget; `--compile` gives the eager tokens (float32, and bfloat16 with a full cache).
 """
@@ -288,4 +288,25 @@ def test_compiled_prefill_normalizes_and_projects_a_bfloat16_prompt_exactly_as_e
     x = embedding(ids)
     assert torch.equal(steps["prefill"](norm, x), norm(x))
     assert torch.equal(steps["prefill"](layer, x[:, :512]), layer(x[:, :512]))
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@torch.no_grad()  # as generation runs it: inductor freezes weights only without autograd
+def test_compiled_decode_gives_eager_bfloat16_logits_on_the_embedded_model(model_bf16, short_prompt_ids, monkeypatch):
+    """Bit for bit, where the tiny model is too small to show a difference: with max-autotune,
+    inductor's micro-GEMM summed the one-token projections in another order than eager's torch.mv,
+    and the greedy tokens of every bfloat16 benchmark row drifted from eager's."""
+    compiled_steps = fresh_compile_steps(generation.STEPS, monkeypatch)
+    kwargs = default_cache_kwargs(max_cache_length=[1.0])
+    logits = {}
+    for name, decode in (("eager", generation.decode_one_token), ("compiled", compiled_steps["decode"])):
+        steps = {"prefill": generation.prefill, "decode": decode}
+        last, _, _ = generation.prefill_prompt(model_bf16, short_prompt_ids, 8, kwargs, steps)
+        logits[name] = [last]
+        for i in range(8):
+            pos = torch.tensor([short_prompt_ids.numel() + i])
+            logits[name].append(decode(model_bf16, logits["eager"][i].argmax().view(1, 1), pos))
+    for step, (eager, compiled) in enumerate(zip(logits["eager"], logits["compiled"], strict=True)):
+        assert torch.equal(compiled, eager), f"decode step {step}"
     torch._dynamo.reset()
