@@ -138,8 +138,9 @@ def compile_steps(model_fns: dict) -> dict:
     graphs stay off because the step's inputs are fresh tensors each call. Precision casts are
     emulated so that fused bfloat16 kernels round where eager rounds, and the matmuls stay ATen's
     (no max-autotune): on CPU its one-token bfloat16 GEMM sums in torch.mv's order, so compiled
-    greedy tokens equal eager's in every dtype. The autotuned micro-GEMM decoded bf16 ~15% faster but
-    rounded differently, and tokens drifted where logits nearly tie (BENCHMARK.md). Prefill does not
+    projections round as eager's in every dtype. The autotuned micro-GEMM decoded bf16 ~15% faster but
+    rounded differently, and tokens drifted where logits nearly tie (BENCHMARK.md). Inductor's own
+    softmax still rounds unlike eager's, so caches attending through the probabilities can drift. Prefill does not
     freeze: frozen weights would swap eager's GEMM for a prepacked one that sums in another order.
     """
     torch._inductor.config.fallback_random = True

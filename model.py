@@ -202,8 +202,9 @@ class Linear(nn.Linear):
     @512: 12-16% faster than F.linear's GEMM), compiled float32 a multiply and row sum that inductor
     fuses into one pass over the weights (@512: +23%); compiled bfloat16 keeps F.linear, which inductor
     leaves to ATen's GEMM: for one row it sums in torch.mv's order, so compiled rounds as eager does
-    (torch.mv itself inductor would decompose into a reduction that sums in another order). Many tokens in half precision on a CPU without half-precision instructions (a prefill):
-    the exact float32 upcast, a float32 GEMM and one rounding back (bfloat16 prefill @2000: 5x faster).
+    (torch.mv itself inductor would decompose into a reduction that sums in another order). Many
+    tokens in half precision on a CPU without half-precision instructions (a prefill): the exact
+    float32 upcast, a float32 GEMM and one rounding back (bfloat16 prefill @2000: 5x faster).
     """
 
     def forward(self, x: Tensor) -> Tensor:
