@@ -336,6 +336,19 @@ class Attention(nn.Module):
         return y.view(bsz, self.n_head, seqlen, self.head_dim)
 
 
+@torch.library.custom_op("kvwb::softmax", mutates_args=())
+def eager_softmax(x: Tensor) -> Tensor:
+    """torch.softmax over the last dim, opaque to inductor: its fused softmax sums in another order
+    (29% of the probabilities of a 4,096-slot case differed in the last bits), and caches that weight
+    or score by them then gave compiled greedy tokens unlike eager's."""
+    return torch.softmax(x, dim=-1)
+
+
+@eager_softmax.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
 def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Attention that also returns the probabilities, for caches that score tokens by attention.
 
@@ -346,7 +359,7 @@ def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]
         scores = quantized_scores(q, k)
     else:
         scores = (q.to(work) @ k.to(work).transpose(-1, -2)).float()
-    probs = torch.softmax((scores * (1.0 / math.sqrt(q.shape[-1]))).masked_fill(~mask, float("-inf")), dim=-1)
+    probs = eager_softmax((scores * (1.0 / math.sqrt(q.shape[-1]))).masked_fill(~mask, float("-inf")))
     if isinstance(v, QuantizedTensor):
         return quantized_weighted_sum(probs, v).to(q.dtype), probs
     return (probs.to(work) @ v.to(work)).to(v.dtype), probs

@@ -122,7 +122,7 @@ def quantized_scores(q: Tensor, k: QuantizedTensor) -> Tensor:
     qf = q.float()
     q_slices = qf.chunk(8 // k.bits, dim=-1)
     dots = sum(qs @ c.float().transpose(-1, -2) for qs, c in zip(q_slices, _code_chunks(k.packed, k.bits)))
-    return dots * k.scale.float().transpose(-1, -2) + qf.sum(-1, keepdim=True) * k.zero.float().transpose(-1, -2)
+    return dots * k.scale.float().transpose(-1, -2) + exact_sum(qf) * k.zero.float().transpose(-1, -2)
 
 
 def quantized_weighted_sum(probs: Tensor, v: QuantizedTensor) -> Tensor:
@@ -130,4 +130,12 @@ def quantized_weighted_sum(probs: Tensor, v: QuantizedTensor) -> Tensor:
     probs = probs.float()
     scaled = probs * v.scale.float().transpose(-1, -2)
     out = torch.cat([scaled @ c.float() for c in _code_chunks(v.packed, v.bits)], dim=-1)
-    return out + probs @ v.zero.float()
+    return out + exact_sum(probs * v.zero.float().transpose(-1, -2))
+
+
+def exact_sum(x: Tensor) -> Tensor:
+    """Float32 sum over the last dim, accumulated in float64 so any summation order rounds alike:
+    inductor turns a one-column matmul into its own reduction, and with float32 sums compiled and
+    eager 4-bit decode differed in every value of the zero-point term. (MPS has no float64.)"""
+    accumulate = torch.float32 if x.device.type == "mps" else torch.float64
+    return x.to(accumulate).sum(-1, keepdim=True).float()
