@@ -312,7 +312,7 @@ class HeavyHitterCache(KVCache):
         elif self.attn_top_k < 1.0:
             attn = keep_top_fraction(attn, self.attn_top_k, filled)
         if self.history_window_size == 1:
-            self.attn_history[..., 0] += attn
+            self.attn_history.add_(attn.unsqueeze(-1))
             self.attn_counter += filled
         else:
             self.attn_history.index_copy_(3, (self.step % self.history_window_size).view(1), attn.unsqueeze(-1))

@@ -337,16 +337,21 @@ class Attention(nn.Module):
 
 
 @torch.library.custom_op("kvwb::softmax", mutates_args=())
-def eager_softmax(x: Tensor) -> Tensor:
-    """torch.softmax over the last dim, opaque to inductor: its fused softmax sums in another order
-    (29% of the probabilities of a 4,096-slot case differed in the last bits), and caches that weight
-    or score by them then gave compiled greedy tokens unlike eager's."""
+def opaque_softmax(x: Tensor) -> Tensor:
     return torch.softmax(x, dim=-1)
 
 
-@eager_softmax.register_fake
+@opaque_softmax.register_fake
 def _(x: Tensor) -> Tensor:
     return torch.empty_like(x)
+
+
+def softmax_as_eager(x: Tensor) -> Tensor:
+    """Softmax over the last dim that rounds alike eager and compiled: compiled, eager's kernel behind
+    a custom op, since inductor's fused softmax sums in another order (29% of the probabilities of a
+    4,096-slot case differed in the last bits) and caches that weight or score by them then gave
+    compiled greedy tokens unlike eager's; eager, torch.softmax itself (the op's dispatch costs 14 us)."""
+    return opaque_softmax(x) if torch.compiler.is_compiling() else torch.softmax(x, dim=-1)
 
 
 def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -359,7 +364,7 @@ def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]
         scores = quantized_scores(q, k)
     else:
         scores = (q.to(work) @ k.to(work).transpose(-1, -2)).float()
-    probs = eager_softmax((scores * (1.0 / math.sqrt(q.shape[-1]))).masked_fill(~mask, float("-inf")))
+    probs = softmax_as_eager(torch.where(mask, scores * (1.0 / math.sqrt(q.shape[-1])), float("-inf")))
     if isinstance(v, QuantizedTensor):
         return quantized_weighted_sum(probs, v).to(q.dtype), probs
     return (probs.to(work) @ v.to(work)).to(v.dtype), probs
