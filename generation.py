@@ -139,8 +139,8 @@ def compile_steps(model_fns: dict) -> dict:
     emulated so that fused bfloat16 kernels round where eager rounds, and the matmuls stay ATen's
     (no max-autotune): on CPU its one-token bfloat16 GEMM sums in torch.mv's order, so compiled
     projections round as eager's in every dtype. The autotuned micro-GEMM decoded bf16 ~15% faster but
-    rounded differently, and tokens drifted where logits nearly tie (BENCHMARK.md). Inductor's own
-    softmax still rounds unlike eager's, so caches attending through the probabilities can drift. Prefill does not
+    rounded differently, and tokens drifted where logits nearly tie (BENCHMARK.md). Caches that attend
+    through the probabilities keep eager's softmax too (model.softmax_as_eager). Prefill does not
     freeze: frozen weights would swap eager's GEMM for a prepacked one that sums in another order.
     """
     torch._inductor.config.fallback_random = True
