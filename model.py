@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from quantization_utils import QuantizedTensor, quantized_scores, quantized_weighted_sum
+from quantization_utils import QuantizedTensor, order_free_dtype, quantized_scores, quantized_weighted_sum
 
 
 @dataclass
@@ -393,8 +393,7 @@ class RMSNorm(nn.Module):
         4,096 tokens is then bit-identical to eager's (with float32 sums, ~1 in 200,000 normalized
         values differed)."""
         xf = x.float()
-        accumulate = torch.float32 if x.device.type == "mps" else torch.float64
-        scale = torch.rsqrt(xf.to(accumulate).pow(2).mean(-1, keepdim=True) + self.eps).float()
+        scale = torch.rsqrt(xf.to(order_free_dtype(x.device)).pow(2).mean(-1, keepdim=True) + self.eps).float()
         return (xf * scale).type_as(x) * self.weight
 
 

@@ -136,6 +136,10 @@ def quantized_weighted_sum(probs: Tensor, v: QuantizedTensor) -> Tensor:
 def exact_sum(x: Tensor) -> Tensor:
     """Float32 sum over the last dim, accumulated in float64 so any summation order rounds alike:
     inductor turns a one-column matmul into its own reduction, and with float32 sums compiled and
-    eager 4-bit decode differed in every value of the zero-point term. (MPS has no float64.)"""
-    accumulate = torch.float32 if x.device.type == "mps" else torch.float64
-    return x.to(accumulate).sum(-1, keepdim=True).float()
+    eager 4-bit decode differed in every value of the zero-point term."""
+    return x.to(order_free_dtype(x.device)).sum(-1, keepdim=True).float()
+
+
+def order_free_dtype(device: torch.device) -> torch.dtype:
+    """float64, whose sums of float32 terms round to the same float32 in any order; MPS has none."""
+    return torch.float32 if device.type == "mps" else torch.float64
