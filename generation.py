@@ -137,18 +137,20 @@ def compile_steps(model_fns: dict) -> dict:
     the weights into the graph (cache buffers stay mutable), so compiled steps serve one model; CUDA
     graphs stay off because the step's inputs are fresh tensors each call. Precision casts are
     emulated so that fused bfloat16 kernels round where eager rounds, and the matmuls stay ATen's
-    (no max-autotune): on CPU its one-token bfloat16 GEMM sums in torch.mv's order, so compiled
-    projections round as eager's in every dtype. The autotuned micro-GEMM decoded bf16 ~15% faster but
-    rounded differently, and tokens drifted where logits nearly tie (BENCHMARK.md). Caches that attend
-    through the probabilities keep eager's softmax too (model.softmax_as_eager). Prefill does not
-    freeze: frozen weights would swap eager's GEMM for a prepacked one that sums in another order.
+    (no max-autotune, no oneDNN weight prepacking): on CPU its one-token bfloat16 GEMM sums in
+    torch.mv's order, so compiled projections round as eager's in every dtype. The autotuned micro-GEMM
+    decoded bf16 ~15% faster but rounded differently, and so did the prepacked oneDNN GEMM that freezing
+    picks on CPUs with bfloat16 instructions (AVX512-BF16): tokens drifted where logits nearly tie
+    (BENCHMARK.md). Caches that attend through the probabilities keep eager's softmax too
+    (model.softmax_as_eager). Prefill does not freeze: frozen weights would swap eager's GEMM for a
+    prepacked one that sums in another order.
     """
     torch._inductor.config.fallback_random = True
     torch._inductor.config.emulate_precision_casts = True
     torch._inductor.config.freezing = True
     torch._dynamo.config.recompile_limit = 64
     return {
-        "decode": torch.compile(model_fns["decode"], fullgraph=True),
+        "decode": torch.compile(model_fns["decode"], fullgraph=True, options={"cpp.weight_prepack": False}),
         "prefill": torch.compile(model_fns["prefill"], dynamic=True, options={"freezing": False}),
     }
 
