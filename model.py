@@ -198,8 +198,9 @@ def matmul_dtype(x: Tensor) -> torch.dtype:
 class Linear(nn.Linear):
     """nn.Linear that picks, on CPU, the kernel that is fastest for the shape and dtype.
 
-    One token (a decode step's matrix-vector products): eager bfloat16 runs torch.mv (full decode
-    @512: 12-16% faster than F.linear's GEMM), compiled float32 a multiply and row sum that inductor
+    One token (a decode step's matrix-vector products): eager bfloat16 runs torch.mv where bfloat16 is
+    emulated (full decode @512: 12-16% faster than F.linear's GEMM; with AVX512-BF16 the GEMM was
+    faster, and the two give the same values on both), compiled float32 a multiply and row sum that inductor
     fuses into one pass over the weights (@512: +23%); compiled bfloat16 keeps F.linear, which inductor
     leaves to ATen's GEMM: for one row it sums in torch.mv's order, so compiled rounds as eager does
     (torch.mv itself inductor would decompose into a reduction that sums in another order). Many
@@ -217,7 +218,7 @@ class Linear(nn.Linear):
             return F.linear(x.to(work), self.weight.to(work), bias).to(x.dtype)
         if rows == 1 and on_cpu and compiling and x.dtype == torch.float32:
             y = (self.weight * x.reshape(1, -1)).sum(-1)
-        elif rows == 1 and on_cpu and not compiling and x.dtype == torch.bfloat16:
+        elif rows == 1 and on_cpu and not compiling and x.dtype == torch.bfloat16 and HALF_MATMUL_IS_EMULATED:
             y = torch.mv(self.weight, x.reshape(-1))
         else:
             return super().forward(x)
@@ -357,17 +358,18 @@ def softmax_as_eager(x: Tensor) -> Tensor:
 def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Attention that also returns the probabilities, for caches that score tokens by attention.
 
+    Half-precision scores and sums are float32, as SDPA accumulates: with bfloat16 scores (CPUs with
+    bfloat16 instructions) heavy_hitter at full length gave other greedy tokens than the full cache.
     k and v may be a low-bit cache's QuantizedTensor: the dequantization folds into the two matmuls.
     """
-    work = matmul_dtype(q)
     if isinstance(k, QuantizedTensor):
         scores = quantized_scores(q, k)
     else:
-        scores = (q.to(work) @ k.to(work).transpose(-1, -2)).float()
+        scores = q.float() @ k.float().transpose(-1, -2)
     probs = softmax_as_eager(torch.where(mask, scores * (1.0 / math.sqrt(q.shape[-1])), float("-inf")))
     if isinstance(v, QuantizedTensor):
         return quantized_weighted_sum(probs, v).to(q.dtype), probs
-    return (probs.to(work) @ v.to(work)).to(v.dtype), probs
+    return (probs @ v.float()).to(v.dtype), probs
 
 
 class FeedForward(nn.Module):
