@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import benchmark
 from benchmark import COLUMNS, Config, compute_targets, plan_configs
@@ -145,8 +146,14 @@ def test_targets_are_ratios_of_this_runs_rows():
     assert not targets["prefill peak memory heavy_hitter 0.1 @8192 bfloat16 eager: / full"]["passed"]  # 1.5
     assert targets["cache memory 4-bit (bfloat16) / bfloat16, full @4096 eager"]["value"] == pytest.approx(0.25)
     assert targets["decode 4-bit / unquantized, full @4096 bfloat16 eager"]["value"] == pytest.approx(0.75)
-    compiled = targets["decode compiled / eager, full 1 @512 bfloat16"]
+    compiled = targets["decode compiled / eager rows, full 1 @512 bfloat16"]
     assert compiled["value"] == pytest.approx(20 / 12) and compiled["passed"]
+    # a compiled row with steps alternated against eager is judged by that ratio; the rows' ratio is information
+    alternated = by_what(
+        compute_targets([*rows, row(context=4096, mode="compiled", paired_speedup=1.2)], 512, 4096, 8192)
+    )
+    assert alternated["decode compiled / eager, steps alternated, full 1 @4096 bfloat16"]["passed"] is False
+    assert alternated["decode compiled / eager rows, full 1 @4096 bfloat16"]["passed"] is None
     assert not targets["greedy tokens compiled == eager, full 1 @512 bfloat16"]["passed"]
     # the compiled bfloat16 tokens equal float32's: shown as information (rounding order, not a bug)
     assert targets["greedy tokens compiled full 1 @512 bfloat16 == eager float32"]["passed"] is None
@@ -154,6 +161,27 @@ def test_targets_are_ratios_of_this_runs_rows():
     assert "[PASS]" in text and "[FAIL]" in text and "[info]" in text
     judged = [t for t in targets.values() if t["passed"] is not None]
     assert f"{sum(t['passed'] for t in judged)}/{len(judged)} passed" in text
+
+
+def test_alternate_steps_takes_compiled_and_eager_steps_in_turn_on_one_token_stream():
+    calls = []
+
+    def stepper(name):
+        def step(model, token, pos):
+            calls.append((name, int(token), int(pos)))
+            logits = torch.zeros(1, 1, 8)
+            logits[..., int(token) + 1] = 1.0  # the next greedy token is token + 1
+            return logits
+
+        return step
+
+    positions = [torch.tensor([p]) for p in range(10, 16)]
+    ratio, token = benchmark.alternate_steps(
+        None, stepper("compiled"), stepper("eager"), torch.tensor(0), positions, torch.device("cpu")
+    )
+    assert [c[0] for c in calls] == ["compiled", "eager"] * 3
+    assert [c[1:] for c in calls] == [(t, 10 + t) for t in range(6)] and int(token) == 6
+    assert math.isfinite(ratio) and ratio > 0
 
 
 def test_table_and_csv(tmp_path):
