@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from cache import cache_statistics, create_caches
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, pack_one_token_weights
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct"
 PREPARE_HINT = {"SmolLM2-135M-Instruct": "bash scripts/prepare_smollm2.sh (or: make demo)"}
@@ -72,7 +72,9 @@ def load_model(checkpoint_dir: Path, device, dtype: torch.dtype, shard=None) -> 
         model.output.weight = model.tok_embeddings.weight
     if shard is not None:
         shard(model)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    pack_one_token_weights(model)
+    return model
 
 
 def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
@@ -141,7 +143,10 @@ def compile_steps(model_fns: dict) -> dict:
     torch.mv's order, so compiled projections round as eager's in every dtype. The autotuned micro-GEMM
     decoded bf16 ~15% faster but rounded differently, and so did the prepacked oneDNN GEMM that freezing
     picks on CPUs with bfloat16 instructions (AVX512-BF16): tokens drifted where logits nearly tie
-    (BENCHMARK.md). Caches that attend through the probabilities keep eager's softmax too
+    (BENCHMARK.md). On such CPUs load_model packs bfloat16 weights for oneDNN itself, and decode calls
+    that product eagerly and compiled alike (model.Linear); a packed weight enters only a frozen graph,
+    which is why it serves decode and not prefill. Caches that attend through the probabilities keep
+    eager's softmax too
     (model.softmax_as_eager). Prefill does not freeze: frozen weights would swap eager's GEMM for a
     prepacked one that sums in another order.
     """

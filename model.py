@@ -185,6 +185,14 @@ transformer_configs = {
 # matrix product of 2,000 rows ran 10x slower than the float32 product of the same values.
 HALF_MATMUL_IS_EMULATED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "NO AVX", "DEFAULT")
 FLOAT32_GEMM_MIN_ROWS = 8  # fewer rows: the weights' upcast costs more than it saves (measured at 4)
+# With bfloat16 instructions (AVX512-BF16, AMX), oneDNN multiplies one token by weights it has packed
+# into its blocked layout at 27-52 GB/s, and by the plain weights (F.linear) at 6-22 GB/s; both gave the
+# same values, bit for bit, at every projection shape of the embedded model.
+ONEDNN_PACKS_BFLOAT16 = (
+    not HALF_MATMUL_IS_EMULATED
+    and torch.backends.mkldnn.is_available()
+    and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+)
 
 
 def matmul_dtype(x: Tensor) -> torch.dtype:
@@ -198,18 +206,35 @@ def matmul_dtype(x: Tensor) -> torch.dtype:
 class Linear(nn.Linear):
     """nn.Linear that picks, on CPU, the kernel that is fastest for the shape and dtype.
 
-    One token (a decode step's matrix-vector products): eager bfloat16 runs torch.mv where bfloat16 is
-    emulated (full decode @512: 12-16% faster than F.linear's GEMM; with AVX512-BF16 the GEMM was
-    faster, and the two give the same values on both), compiled float32 a multiply and row sum that inductor
-    fuses into one pass over the weights (@512: +23%); compiled bfloat16 keeps F.linear, which inductor
-    leaves to ATen's GEMM: for one row it sums in torch.mv's order, so compiled rounds as eager does
-    (torch.mv itself inductor would decompose into a reduction that sums in another order). Many
-    tokens in half precision on a CPU without half-precision instructions (a prefill): the exact
-    float32 upcast, a float32 GEMM and one rounding back (bfloat16 prefill @2000: 5x faster).
+    One token of a decode step (`decode`): bfloat16 weights packed by `pack` go through oneDNN's product on
+    the packed copy, eager and compiled alike (the same op, so the same rounding); else eager bfloat16 runs
+    torch.mv where bfloat16 is emulated (full decode @512: 12-16% faster than F.linear's GEMM, same
+    values), compiled float32 a multiply and row sum that inductor fuses into one pass over the weights
+    (@512: +23%); compiled bfloat16 keeps F.linear, which inductor leaves to ATen's GEMM: for one row it
+    sums in torch.mv's order, so compiled rounds as eager does (torch.mv itself inductor would decompose
+    into a reduction that sums in another order). Many tokens in half precision on a CPU without
+    half-precision instructions (a prefill): the exact float32 upcast, a float32 GEMM and one rounding
+    back (bfloat16 prefill @2000: 5x faster).
     """
 
-    def forward(self, x: Tensor) -> Tensor:
+    packed_weight: Tensor | None = None
+
+    def pack(self) -> None:
+        """Keeps oneDNN's packed copy of the weight beside the plain one (prefill and a tied embedding
+        read that): one more copy of the weights in memory for a 2-4x faster one-token product. Pack
+        after the last change to the weight; the copy does not follow it. Only decode steps read it:
+        a compiled graph takes the packed tensor only as a frozen constant (compile_steps freezes the
+        decode graph, not prefill's), and only with static sizes."""
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+        torch._dynamo.mark_static(self.packed_weight)
+
+    def forward(self, x: Tensor, decode: bool = False) -> Tensor:
         rows = x.shape[:-1].numel()
+        if decode and rows == 1 and self.packed_weight is not None:
+            # The views keep inductor from fusing the next op (SiLU, the residual add) into the product,
+            # which would round once where eager rounds twice.
+            y = torch.ops.mkldnn._linear_pointwise(x.view(1, -1), self.packed_weight, self.bias, "none", [], "")
+            return y.view(*x.shape[:-1], -1)
         on_cpu = x.device.type == "cpu"
         compiling = torch.compiler.is_compiling()
         work = matmul_dtype(x)
@@ -223,6 +248,15 @@ class Linear(nn.Linear):
         else:
             return super().forward(x)
         return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], -1)
+
+
+def pack_one_token_weights(model: nn.Module) -> None:
+    """Packs every bfloat16 projection on a CPU where oneDNN has bfloat16 instructions (see Linear.pack)."""
+    if not ONEDNN_PACKS_BFLOAT16:
+        return
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16:
+            module.pack()
 
 
 class Transformer(nn.Module):
@@ -260,7 +294,7 @@ class Transformer(nn.Module):
             x = layer(x, input_pos, freqs_cis, is_prefill, idx)
         if last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x)).float()
+        return self.output(self.norm(x), decode=not is_prefill).float()
 
     @classmethod
     def from_name(cls, name: str) -> "Transformer":
@@ -277,7 +311,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, is_prefill: bool, token_ids: Tensor) -> Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, input_pos, is_prefill, token_ids)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.feed_forward(self.ffn_norm(h), decode=not is_prefill)
 
 
 class Attention(nn.Module):
@@ -298,7 +332,7 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
-        qk, v = self.wqkv(x).split([q_size + kv_size, kv_size], dim=-1)
+        qk, v = self.wqkv(x, decode=not is_prefill).split([q_size + kv_size, kv_size], dim=-1)
         # One rotation for the query and key heads together: half the ops of an eager decode step's RoPE.
         qk = apply_rotary_emb(qk.view(bsz, seqlen, self.n_head + self.n_local_heads, self.head_dim), freqs_cis)
         q, k = qk.transpose(1, 2).split([self.n_head, self.n_local_heads], dim=1)
@@ -307,7 +341,7 @@ class Attention(nn.Module):
             y = self.prefill_attention(q, k, v, input_pos, token_ids)
         else:
             y = self.decode_attention(q, k, v, input_pos, token_ids)
-        return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, q_size))
+        return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, q_size), decode=not is_prefill)
 
     def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, token_ids: Tensor) -> Tensor:
         """Full causal attention over the prompt; the cache then takes what its compressor keeps."""
@@ -379,8 +413,8 @@ class FeedForward(nn.Module):
         self.w3 = Linear(config.dim, config.intermediate_size, bias=False)
         self.w2 = Linear(config.intermediate_size, config.dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x: Tensor, decode: bool = False) -> Tensor:
+        return self.w2(F.silu(self.w1(x, decode)) * self.w3(x, decode), decode)
 
 
 class RMSNorm(nn.Module):

@@ -26,7 +26,7 @@ from transformers import (
 from cache import default_cache_kwargs
 from generation import generate as our_generate
 from generation import load_model
-from model import HALF_MATMUL_IS_EMULATED, Linear, ModelArgs
+from model import HALF_MATMUL_IS_EMULATED, ONEDNN_PACKS_BFLOAT16, Linear, ModelArgs
 from tokenizer import get_tokenizer
 
 LOGITS_ATOL = 1e-3
@@ -207,6 +207,25 @@ def test_one_bfloat16_token_projects_through_mv_where_bfloat16_is_emulated():
     torch.testing.assert_close(y.double(), exact, rtol=2e-2, atol=2e-2)
     two = torch.randn(1, 2, 96, dtype=torch.bfloat16)  # a prompt keeps the GEMM
     assert torch.equal(layer(two), F.linear(two, layer.weight, layer.bias))
+
+
+@pytest.mark.skipif(
+    not ONEDNN_PACKS_BFLOAT16, reason="oneDNN packs bfloat16 weights where the CPU has bf16 instructions"
+)
+@pytest.mark.parametrize(("n_in", "n_out", "bias"), [(576, 960, True), (576, 1536, False), (1536, 576, False)])
+def test_decode_projects_through_the_packed_weights_with_the_plain_weights_values(n_in, n_out, bias):
+    """Packing changes the speed of a decode step's projection, not its values (the embedded model's
+    shapes); the plain weight is zeroed after packing to show which copy each path reads."""
+    torch.manual_seed(0)
+    layer = Linear(n_in, n_out, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(1, 1, n_in, dtype=torch.bfloat16)
+    plain = layer(x, decode=True)
+    layer.pack()
+    layer.weight.zero_()
+    assert torch.equal(layer(x, decode=True), plain)
+    from_plain = torch.zeros(n_out, dtype=torch.bfloat16) if layer.bias is None else layer.bias
+    assert torch.equal(layer(x), from_plain.expand(1, 1, -1))  # outside decode: the plain weight
+    assert torch.equal(layer(torch.cat([x, x], dim=1), decode=True), from_plain.expand(1, 2, -1))  # 2 tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -21,7 +21,7 @@ import generate as generate_cli
 import generation
 from cache import default_cache_kwargs
 from generation import DEFAULT_CHECKPOINT, load_model
-from model import Linear, RMSNorm
+from model import ONEDNN_PACKS_BFLOAT16, Linear, RMSNorm
 from tokenizer import get_tokenizer
 
 SHORT_PROMPT = "What is a cold compress?"
@@ -300,7 +300,11 @@ def test_compiled_decode_gives_eager_bfloat16_logits_on_the_embedded_model(
     """Bit for bit, where the tiny model is too small to show a difference: with max-autotune,
     inductor's micro-GEMM summed the one-token projections in another order than eager's torch.mv;
     inductor's own softmax, and its reduction for the 4-bit cache's zero-point term, summed in
-    other orders than eager's kernels. Each made bfloat16 benchmark rows' greedy tokens drift."""
+    other orders than eager's kernels. Each made bfloat16 benchmark rows' greedy tokens drift. Where
+    the CPU has bfloat16 instructions, load_model packs the projections for oneDNN, and inductor fused
+    the following SiLU or residual add into that product (rounding once, where eager rounds twice)."""
+    packed = [m.packed_weight is not None for m in model_bf16.modules() if isinstance(m, Linear)]
+    assert all(packed) if ONEDNN_PACKS_BFLOAT16 else not any(packed)
     compiled_steps = fresh_compile_steps(generation.STEPS, monkeypatch)
     kwargs = default_cache_kwargs(**cache_args)
     logits = {}
