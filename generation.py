@@ -139,16 +139,16 @@ def compile_steps(model_fns: dict) -> dict:
     the weights into the graph (cache buffers stay mutable), so compiled steps serve one model; CUDA
     graphs stay off because the step's inputs are fresh tensors each call. Precision casts are
     emulated so that fused bfloat16 kernels round where eager rounds, and the matmuls stay ATen's
-    (no max-autotune, no oneDNN weight prepacking): on CPU its one-token bfloat16 GEMM sums in
+    (no max-autotune, no weight prepacking by inductor): on CPU its one-token bfloat16 GEMM sums in
     torch.mv's order, so compiled projections round as eager's in every dtype. The autotuned micro-GEMM
-    decoded bf16 ~15% faster but rounded differently, and so did the prepacked oneDNN GEMM that freezing
-    picks on CPUs with bfloat16 instructions (AVX512-BF16): tokens drifted where logits nearly tie
-    (BENCHMARK.md). On such CPUs load_model packs bfloat16 weights for oneDNN itself, and decode calls
-    that product eagerly and compiled alike (model.Linear); a packed weight enters only a frozen graph,
-    which is why it serves decode and not prefill. Caches that attend through the probabilities keep
-    eager's softmax too
-    (model.softmax_as_eager). Prefill does not freeze: frozen weights would swap eager's GEMM for a
-    prepacked one that sums in another order.
+    decoded bf16 ~15% faster but rounded differently; inductor's own oneDNN prepacking (CPUs with
+    bfloat16 instructions) fused the following SiLU or residual add into the product, rounding once
+    where eager rounds twice: tokens drifted where logits nearly tie (BENCHMARK.md). On such CPUs
+    load_model packs the weights itself and decode calls oneDNN's product eagerly and compiled alike
+    (model.Linear); a packed weight enters only a frozen graph, so it serves decode, not prefill.
+    Caches that attend through the probabilities keep eager's softmax too (model.softmax_as_eager).
+    Prefill does not freeze: on CPUs without bfloat16 instructions freezing would fold the float32
+    upcast of every weight into constants (+360 MiB for the embedded model).
     """
     torch._inductor.config.fallback_random = True
     torch._inductor.config.emulate_precision_casts = True
