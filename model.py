@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -250,13 +251,25 @@ class Linear(nn.Linear):
         return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], -1)
 
 
+def free_memory_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def pack_one_token_weights(model: nn.Module) -> None:
-    """Packs every bfloat16 projection on a CPU where oneDNN has bfloat16 instructions (see Linear.pack)."""
+    """Packs every bfloat16 projection on a CPU where oneDNN has bfloat16 instructions (see Linear.pack),
+    unless the packed copies would take more than a quarter of the free memory: a speed-up is not
+    worth swapping (an 8B model in bfloat16 would need 16 GB more)."""
     if not ONEDNN_PACKS_BFLOAT16:
         return
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16:
-            module.pack()
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16
+    ]
+    if sum(m.weight.numel() * m.weight.element_size() for m in layers) * 4 > free_memory_bytes():
+        return
+    for layer in layers:
+        layer.pack()
 
 
 class Transformer(nn.Module):

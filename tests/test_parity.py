@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from convert_hf_checkpoint import convert_hf_checkpoint, main
+from helpers import tiny_transformer
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -23,6 +24,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+import model as model_module
 from cache import default_cache_kwargs
 from generation import generate as our_generate
 from generation import load_model
@@ -226,6 +228,20 @@ def test_decode_projects_through_the_packed_weights_with_the_plain_weights_value
     from_plain = torch.zeros(n_out, dtype=torch.bfloat16) if layer.bias is None else layer.bias
     assert torch.equal(layer(x), from_plain.expand(1, 1, -1))  # outside decode: the plain weight
     assert torch.equal(layer(torch.cat([x, x], dim=1), decode=True), from_plain.expand(1, 2, -1))  # 2 tokens
+
+
+@pytest.mark.skipif(
+    not ONEDNN_PACKS_BFLOAT16, reason="oneDNN packs bfloat16 weights where the CPU has bf16 instructions"
+)
+def test_weights_are_packed_only_when_the_copy_fits_in_a_quarter_of_free_memory(monkeypatch):
+    model = tiny_transformer(seed=0, dtype=torch.bfloat16)
+    weight_bytes = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, Linear))
+    monkeypatch.setattr(model_module, "free_memory_bytes", lambda: 4 * weight_bytes - 1)
+    model_module.pack_one_token_weights(model)
+    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
+    monkeypatch.setattr(model_module, "free_memory_bytes", lambda: 4 * weight_bytes)
+    model_module.pack_one_token_weights(model)
+    assert all(m.packed_weight is not None for m in model.modules() if isinstance(m, Linear))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
