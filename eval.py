@@ -534,7 +534,7 @@ def main(argv=None) -> dict:
         args_record["task_labels"] = labels
         write_json_atomic(folder / "args.json", args_record)
         print(f"results: {folder}")
-        steps = compile_steps(STEPS) if args.compile else STEPS
+        steps = compile_steps(STEPS, device) if args.compile else STEPS
         results = {}
         for label, task, samples in prepared:
             run = (model, tokenizer, chat, cache_kwargs, steps, args.seed)

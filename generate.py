@@ -133,7 +133,7 @@ def main(argv=None) -> None:
         sys.exit(f"error: {e}" if not rank else 1)
 
     torch.manual_seed(args.seed)
-    steps = compile_steps(STEPS) if args.compile else STEPS
+    steps = compile_steps(STEPS, device) if args.compile else STEPS
     streamed = []
 
     def stream(token: int) -> None:

@@ -131,7 +131,7 @@ def prefill_length(prompt_length: int, caches: list, feed_long_prompts: bool) ->
     return prompt_length
 
 
-def compile_steps(model_fns: dict) -> dict:
+def compile_steps(model_fns: dict, device: torch.device) -> dict:
     """torch.compile of the decode step (fixed shapes) and of prefill (dynamic prompt length).
 
     Inductor's own RNG would make `random` eviction differ from eager; eval and benchmark reuse
@@ -146,11 +146,12 @@ def compile_steps(model_fns: dict) -> dict:
     where eager rounds twice: tokens drifted where logits nearly tie (BENCHMARK.md). On such CPUs
     load_model packs the weights itself and decode calls oneDNN's product eagerly and compiled alike
     (model.Linear); a packed weight enters only a frozen graph, so it serves decode, not prefill.
-    Decode's graph calls its kernels from generated C++ (cpp_wrapper), not Python: 7% faster full
-    decode @512 bfloat16, the same kernels. Caches that attend through the probabilities keep eager's
+    On CPU decode's graph calls its kernels from generated C++ (cpp_wrapper), not Python: 7% faster
+    full decode @512 bfloat16, the same kernels (not measured on GPUs, where it needs the CUDA headers). Caches that attend through the probabilities keep eager's
     softmax too (model.softmax_as_eager).
-    Prefill does not freeze: on CPUs without bfloat16 instructions freezing would fold the float32
-    upcast of every weight into constants (+360 MiB for the embedded model).
+    Prefill does not freeze: with bfloat16 instructions inductor would prepack (and fuse) its
+    projections, and without them fold the float32 upcast of every weight into constants (+360 MiB
+    for the embedded model).
     """
     torch._inductor.config.fallback_random = True
     torch._inductor.config.emulate_precision_casts = True
@@ -158,7 +159,9 @@ def compile_steps(model_fns: dict) -> dict:
     torch._dynamo.config.recompile_limit = 64
     return {
         "decode": torch.compile(
-            model_fns["decode"], fullgraph=True, options={"cpp.weight_prepack": False, "cpp_wrapper": True}
+            model_fns["decode"],
+            fullgraph=True,
+            options={"cpp.weight_prepack": False, "cpp_wrapper": device.type == "cpu"},
         ),
         "prefill": torch.compile(model_fns["prefill"], dynamic=True, options={"freezing": False}),
     }

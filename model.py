@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -220,6 +219,10 @@ class Linear(nn.Linear):
 
     packed_weight: Tensor | None = None
 
+    def _apply(self, fn, recurse=True):
+        self.packed_weight = None  # a move or cast would leave the packed copy behind
+        return super()._apply(fn, recurse)
+
     def pack(self) -> None:
         """Keeps oneDNN's packed copy of the weight beside the plain one (prefill and a tied embedding
         read that): one more copy of the weights in memory for a 2-4x faster one-token product. Pack
@@ -252,12 +255,20 @@ class Linear(nn.Linear):
 
 
 def free_memory_bytes() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """MemAvailable on Linux; 0 where it cannot be read, so that nothing is packed there."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def pack_one_token_weights(model: nn.Module) -> None:
     """Packs every bfloat16 projection on a CPU where oneDNN has bfloat16 instructions (see Linear.pack),
-    unless the packed copies would take more than a quarter of the free memory: a speed-up is not
+    unless the packed copies would take more than a quarter of the available memory: a speed-up is not
     worth swapping (an 8B model in bfloat16 would need 16 GB more)."""
     if not ONEDNN_PACKS_BFLOAT16:
         return

@@ -214,7 +214,10 @@ def test_one_bfloat16_token_projects_through_mv_where_bfloat16_is_emulated():
 @pytest.mark.skipif(
     not ONEDNN_PACKS_BFLOAT16, reason="oneDNN packs bfloat16 weights where the CPU has bf16 instructions"
 )
-@pytest.mark.parametrize(("n_in", "n_out", "bias"), [(576, 960, True), (576, 1536, False), (1536, 576, False)])
+@pytest.mark.parametrize(
+    ("n_in", "n_out", "bias"),
+    [(576, 960, True), (576, 576, False), (576, 1536, False), (1536, 576, False), (576, 49152, False)],
+)
 def test_decode_projects_through_the_packed_weights_with_the_plain_weights_values(n_in, n_out, bias):
     """Packing changes the speed of a decode step's projection, not its values (the embedded model's
     shapes); the plain weight is zeroed after packing to show which copy each path reads."""
@@ -228,6 +231,8 @@ def test_decode_projects_through_the_packed_weights_with_the_plain_weights_value
     from_plain = torch.zeros(n_out, dtype=torch.bfloat16) if layer.bias is None else layer.bias
     assert torch.equal(layer(x), from_plain.expand(1, 1, -1))  # outside decode: the plain weight
     assert torch.equal(layer(torch.cat([x, x], dim=1), decode=True), from_plain.expand(1, 2, -1))  # 2 tokens
+    layer.float()  # a cast (or move) drops the packed copy, which would no longer match the weight
+    assert layer.packed_weight is None
 
 
 @pytest.mark.skipif(

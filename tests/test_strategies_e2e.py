@@ -251,7 +251,7 @@ def fresh_compile_steps(model_fns: dict, monkeypatch) -> dict:
     for option in ("fallback_random", "freezing", "emulate_precision_casts"):
         monkeypatch.setattr(torch._inductor.config, option, getattr(torch._inductor.config, option))
     torch._dynamo.reset()
-    return generation.compile_steps(model_fns)
+    return generation.compile_steps(model_fns, torch.device("cpu"))
 
 
 @pytest.mark.slow
@@ -304,7 +304,7 @@ def test_compiled_decode_gives_eager_bfloat16_logits_on_the_embedded_model(
     the CPU has bfloat16 instructions, load_model packs the projections for oneDNN, and inductor fused
     the following SiLU or residual add into that product (rounding once, where eager rounds twice)."""
     packed = [m.packed_weight is not None for m in model_bf16.modules() if isinstance(m, Linear)]
-    assert all(packed) if ONEDNN_PACKS_BFLOAT16 else not any(packed)
+    assert all(packed) == any(packed) and (ONEDNN_PACKS_BFLOAT16 or not any(packed))  # all or none (free memory)
     compiled_steps = fresh_compile_steps(generation.STEPS, monkeypatch)
     kwargs = default_cache_kwargs(**cache_args)
     logits = {}
