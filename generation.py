@@ -147,9 +147,9 @@ def compile_steps(model_fns: dict, device: torch.device) -> dict:
     load_model packs the weights itself and decode calls oneDNN's product eagerly and compiled alike
     (model.Linear); a packed weight enters only a frozen graph, so it serves decode, not prefill.
     On CPU decode's graph calls its kernels from generated C++ (cpp_wrapper), not Python: 7% faster
-    full decode @512 bfloat16, the same kernels (not measured on GPUs, where it needs the CUDA headers). Caches that attend through the probabilities keep eager's
-    softmax too (model.softmax_as_eager).
-    Prefill does not freeze: with bfloat16 instructions inductor would prepack (and fuse) its
+    full decode @512 bfloat16, the same kernels (not measured on GPUs, where it needs the CUDA
+    headers). Caches that attend through the probabilities keep eager's softmax too
+    (model.softmax_as_eager). Prefill does not freeze: with bfloat16 instructions inductor would prepack (and fuse) its
     projections, and without them fold the float32 upcast of every weight into constants (+360 MiB
     for the embedded model).
     """

@@ -186,8 +186,8 @@ transformer_configs = {
 HALF_MATMUL_IS_EMULATED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "NO AVX", "DEFAULT")
 FLOAT32_GEMM_MIN_ROWS = 8  # fewer rows: the weights' upcast costs more than it saves (measured at 4)
 # With bfloat16 instructions (AVX512-BF16, AMX), oneDNN multiplies one token by weights it has packed
-# into its blocked layout at 27-52 GB/s, and by the plain weights (F.linear) at 6-22 GB/s; both gave the
-# same values, bit for bit, at every projection shape of the embedded model.
+# into its blocked layout streaming them at 15-31 GB/s, by the plain weights (F.linear) at 10-13 GB/s
+# (AVX512-BF16 VM); both gave the same values, bit for bit, at every projection shape of the embedded model.
 ONEDNN_PACKS_BFLOAT16 = (
     not HALF_MATMUL_IS_EMULATED
     and torch.backends.mkldnn.is_available()
