@@ -203,6 +203,24 @@ def matmul_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+def pack_for_one_token(weight: Tensor) -> Tensor:
+    """oneDNN's packed copy of a bfloat16 weight, for one_token_product. A compiled graph takes the
+    packed tensor only as a frozen constant (compile_steps freezes the decode graph, not prefill's),
+    and only with static sizes."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    torch._dynamo.mark_static(packed)
+    return packed
+
+
+def one_token_product(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """x [..., n_in] of one token times a weight packed by pack_for_one_token, eager and compiled alike.
+
+    The views keep inductor from fusing the next op (SiLU, the residual add) into the product, which
+    would round once where eager rounds twice."""
+    y = torch.ops.mkldnn._linear_pointwise(x.view(1, -1), packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], -1)
+
+
 class Linear(nn.Linear):
     """nn.Linear that picks, on CPU, the kernel that is fastest for the shape and dtype.
 
@@ -226,19 +244,13 @@ class Linear(nn.Linear):
     def pack(self) -> None:
         """Keeps oneDNN's packed copy of the weight beside the plain one (prefill and a tied embedding
         read that): one more copy of the weights in memory for a 2-4x faster one-token product. Pack
-        after the last change to the weight; the copy does not follow it. Only decode steps read it:
-        a compiled graph takes the packed tensor only as a frozen constant (compile_steps freezes the
-        decode graph, not prefill's), and only with static sizes."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
-        torch._dynamo.mark_static(self.packed_weight)
+        after the last change to the weight; the copy does not follow it."""
+        self.packed_weight = pack_for_one_token(self.weight)
 
     def forward(self, x: Tensor, decode: bool = False) -> Tensor:
         rows = x.shape[:-1].numel()
         if decode and rows == 1 and self.packed_weight is not None:
-            # The views keep inductor from fusing the next op (SiLU, the residual add) into the product,
-            # which would round once where eager rounds twice.
-            y = torch.ops.mkldnn._linear_pointwise(x.view(1, -1), self.packed_weight, self.bias, "none", [], "")
-            return y.view(*x.shape[:-1], -1)
+            return one_token_product(x, self.packed_weight, self.bias)
         on_cpu = x.device.type == "cpu"
         compiling = torch.compiler.is_compiling()
         work = matmul_dtype(x)
@@ -279,8 +291,13 @@ def pack_one_token_weights(model: nn.Module) -> None:
     ]
     if sum(m.weight.numel() * m.weight.element_size() for m in layers) * 4 > free_memory_bytes():
         return
+    feed_forwards = [m for m in model.modules() if isinstance(m, FeedForward) and m.w1 in layers and m.w3 in layers]
+    joined = [p for f in feed_forwards for p in (f.w1, f.w3)]
+    for f in feed_forwards:
+        f.pack()
     for layer in layers:
-        layer.pack()
+        if layer not in joined:
+            layer.pack()
 
 
 class Transformer(nn.Module):
@@ -431,14 +448,30 @@ def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]
 
 
 class FeedForward(nn.Module):
+    packed_gate_up: Tensor | None = None
+
     def __init__(self, config: ModelArgs) -> None:
         super().__init__()
         self.w1 = Linear(config.dim, config.intermediate_size, bias=False)
         self.w3 = Linear(config.dim, config.intermediate_size, bias=False)
         self.w2 = Linear(config.intermediate_size, config.dim, bias=False)
 
+    def _apply(self, fn, recurse=True):
+        self.packed_gate_up = None  # a move or cast would leave the packed copy behind
+        return super()._apply(fn, recurse)
+
+    def pack(self) -> None:
+        """One packed copy of w1 and w3 stacked (they multiply the same input): a decode step then
+        makes one oneDNN call for both, 30 fewer per step for the embedded model (-0.8 ms, 5%), and
+        each output equals its own product's bit for bit. w2 packs as a Linear."""
+        self.packed_gate_up = pack_for_one_token(torch.cat([self.w1.weight, self.w3.weight]))
+
     def forward(self, x: Tensor, decode: bool = False) -> Tensor:
-        return self.w2(F.silu(self.w1(x, decode)) * self.w3(x, decode), decode)
+        if decode and x.shape[:-1].numel() == 1 and self.packed_gate_up is not None:
+            gate, up = one_token_product(x, self.packed_gate_up, None).chunk(2, dim=-1)
+        else:
+            gate, up = self.w1(x, decode), self.w3(x, decode)
+        return self.w2(F.silu(gate) * up, decode)
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from convert_hf_checkpoint import convert_hf_checkpoint, main
-from helpers import tiny_transformer
+from helpers import packed_copies, tiny_transformer
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -243,10 +243,32 @@ def test_weights_are_packed_only_when_the_copy_fits_in_a_quarter_of_free_memory(
     weight_bytes = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, Linear))
     monkeypatch.setattr(model_module, "free_memory_bytes", lambda: 4 * weight_bytes - 1)
     model_module.pack_one_token_weights(model)
-    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
+    assert not any(packed_copies(model))
     monkeypatch.setattr(model_module, "free_memory_bytes", lambda: 4 * weight_bytes)
     model_module.pack_one_token_weights(model)
-    assert all(m.packed_weight is not None for m in model.modules() if isinstance(m, Linear))
+    assert all(packed_copies(model))
+    assert model.layers[0].feed_forward.w1.packed_weight is None  # w1 and w3 only in their stacked copy
+
+
+@pytest.mark.skipif(
+    not ONEDNN_PACKS_BFLOAT16, reason="oneDNN packs bfloat16 weights where the CPU has bf16 instructions"
+)
+def test_decode_feed_forward_through_the_stacked_packed_w1_w3_gives_the_separate_products_values():
+    """One oneDNN call for w1 and w3 (the embedded model's shapes) gives each product's values bit for
+    bit; w1 and w3 are zeroed after packing to show that decode reads the stacked copy."""
+    torch.manual_seed(0)
+    feed_forward = model_module.FeedForward(model_module.ModelArgs(dim=576, intermediate_size=1536))
+    feed_forward = feed_forward.to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(1, 1, 576, dtype=torch.bfloat16)
+    feed_forward.w2.pack()
+    separate = feed_forward(x, decode=True)
+    feed_forward.pack()
+    feed_forward.w1.weight.zero_()
+    feed_forward.w3.weight.zero_()
+    assert torch.equal(feed_forward(x, decode=True), separate)
+    assert torch.equal(feed_forward(x), torch.zeros_like(separate))  # outside decode: the plain weights
+    feed_forward.float()  # a cast (or move) drops the stacked copy too
+    assert feed_forward.packed_gate_up is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_prompt, tiny_transformer
+from helpers import packed_copies, tiny_prompt, tiny_transformer
 
 import generate as generate_cli
 import generation
@@ -303,7 +303,7 @@ def test_compiled_decode_gives_eager_bfloat16_logits_on_the_embedded_model(
     other orders than eager's kernels. Each made bfloat16 benchmark rows' greedy tokens drift. Where
     the CPU has bfloat16 instructions, load_model packs the projections for oneDNN, and inductor fused
     the following SiLU or residual add into that product (rounding once, where eager rounds twice)."""
-    packed = [m.packed_weight is not None for m in model_bf16.modules() if isinstance(m, Linear)]
+    packed = packed_copies(model_bf16)
     assert all(packed) == any(packed) and (ONEDNN_PACKS_BFLOAT16 or not any(packed))  # all or none (free memory)
     compiled_steps = fresh_compile_steps(generation.STEPS, monkeypatch)
     kwargs = default_cache_kwargs(**cache_args)
