@@ -110,6 +110,7 @@ COLUMNS = [
     "compression_ratio",
     "weights_mib",
     "kv_read_mib",
+    "bandwidth_gbs",
     "bound_tok_s",
     "frac_of_bound",
     "compile_s",
@@ -363,7 +364,7 @@ def profile_path(base: Path, tag: str, single: bool) -> Path:
 
 
 # ------------------------------------------------------------------------------------ our model
-def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to: Path | None) -> dict:
+def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to: Path | None, probe=None) -> dict:
     row = {"compressor": cfg.compressor}
     cache_kwargs = default_cache_kwargs(
         cache_strategy=[cfg.strategy],
@@ -386,9 +387,10 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
     # Eager rows size their caches for the paired steps too: a budget fraction of a longer run is more
     # slots, and compiled rows would then keep other tokens than the eager row they are compared with.
     n_paired = 2 * args.decode_steps
+    n_beside_probe = args.decode_steps if probe else 0
     n_profile = args.profile_steps if profile_to else 0
     n_timed = n_warm + args.decode_steps
-    n_decode = n_timed + n_paired + n_profile
+    n_decode = n_timed + n_paired + n_beside_probe + n_profile
     ctx = prompt.numel()
     caches = setup_caches(model, cache_kwargs, ctx, n_decode + 1)
     row["cache_slots"] = min(c.max_cache_length for c in caches)
@@ -448,42 +450,61 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
     row["compression_ratio"] = stats["compression_ratio"]
     row["weights_mib"] = weight_bytes(model) / MIB
     row["kv_read_mib"] = kv_bytes_read(caches) / MIB
+    state = {"token": token}
+
+    def stepper(step, positions):
+        """Call i: step i on positions[i], continuing the greedy token stream."""
+
+        def take(i):
+            state["token"] = sample(step(model, state["token"].view(1, 1), positions[i]))
+
+        return take
+
+    paired_pos = decode_pos[n_timed : n_timed + n_paired]
     if compiled:  # eager rows leave their paired positions unused
-        paired_pos = decode_pos[n_timed : n_timed + n_paired]
-        row["paired_speedup"], token = alternate_steps(
-            model, steps["decode"], STEPS["decode"], token, paired_pos, device
+        compiled_s, eager_s = alternated_medians(
+            stepper(steps["decode"], paired_pos[0::2]),
+            stepper(STEPS["decode"], paired_pos[1::2]),
+            n_paired // 2,
+            device,
         )
-
+        row["paired_speedup"] = eager_s / compiled_s
+    if probe:
+        beside_pos = decode_pos[n_timed + n_paired : n_timed + n_paired + n_beside_probe]
+        read, probe_bytes = probe()
+        step_s, probe_s = alternated_medians(
+            stepper(steps["decode"], beside_pos), lambda i: read(), len(beside_pos), device
+        )
+        del read
+        row["bandwidth_gbs"] = probe_bytes / probe_s / 1e9
+        row["bound_tok_s"] = probe_bytes / probe_s / ((row["weights_mib"] + row["kv_read_mib"]) * MIB)
+        row["frac_of_bound"] = 1.0 / step_s / row["bound_tok_s"]
     if profile_to:
-        state = {"token": token}
-
-        def profiled_steps():
-            for pos in decode_pos[n_timed + n_paired :]:
-                state["token"] = sample(steps["decode"](model, state["token"].view(1, 1), pos))
-
+        profiled_pos = decode_pos[n_timed + n_paired + n_beside_probe :]
+        take_step = stepper(steps["decode"], profiled_pos)
         with torch_profile(profile_to, device, "decode_steps", args.profile_rows):
-            profiled_steps()
+            for i in range(len(profiled_pos)):
+                take_step(i)
     model.setup_caches([None] * model.config.n_layer, 1)  # drop this row's caches before the next
     del caches
     return row
 
 
-def alternate_steps(model, compiled_step, eager_step, token, positions, device) -> tuple[float, torch.Tensor]:
-    """Compiled and eager decode steps taken in turn on the same caches; returns the eager/compiled ratio
-    of their median step times, and the last token.
+def alternated_medians(first, second, n: int, device) -> tuple[float, float]:
+    """Median seconds of first(i) and of second(i), i < n, called in turn.
 
-    Separate eager and compiled rows run minutes apart, and this machine's speed swings 20-35% over
-    minutes; steps alternated within the same seconds see the same machine, so their ratio is the code's.
+    Separate rows run minutes apart, and this machine's speed swings 20-35% over minutes (its memory
+    bandwidth 30-65 GB/s); calls alternated within the same seconds see the same machine, so their
+    ratio is the code's.
     """
     times = ([], [])
-    for i, pos in enumerate(positions):
-        step = (compiled_step, eager_step)[i % 2]
+    for i in range(2 * n):
         synchronize(device)
         start = time.perf_counter()
-        token = sample(step(model, token.view(1, 1), pos))
+        (first, second)[i % 2](i // 2)
         synchronize(device)
         times[i % 2].append(time.perf_counter() - start)
-    return statistics.median(times[1]) / statistics.median(times[0]), token
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def fill_decode_timing(row: dict, times: list[float], cpu_times: list[float]) -> None:
@@ -603,36 +624,53 @@ def warm_up_hf(model, device) -> None:
 
 
 # ------------------------------------------------------------------------------------ bound
-def measure_bandwidth(device, dtype: torch.dtype, mib: int, reps: int = 8) -> float:
-    """Bytes/s that one large matrix-vector product streams (the machine's practical memory bandwidth).
+PROBE_PRODUCTS = {"torch.mv": torch.mv, "row sums": lambda w, _vector: w.sum(-1)}
+
+
+def probe_maker(device, dtype: torch.dtype, cols: int, product, mib: int):
+    """A function that allocates one large matrix and returns (a call that multiplies it by a vector, its bytes)."""
+
+    def make():
+        rows = max(1, mib * MIB // (cols * torch.finfo(dtype).bits // 8))
+        w = torch.full((rows, cols), 0.01, dtype=dtype, device=device)
+        x = torch.full((cols,), 0.01, dtype=dtype, device=device)
+        return (lambda: product(w, x)), w.numel() * w.element_size()
+
+    return make
+
+
+def fastest_probe(device, dtypes: list[torch.dtype], mib: int, reps: int = 8):
+    """(bytes/s, description, maker) of the large matrix-vector product that streams fastest here.
 
     Probed as torch.mv and as row sums (the product with a vector of ones, a plain streaming read: on
     an AMD EPYC VM 33 GB/s where torch.mv read 25 and inductor's fused float32 decode 35), in float32
     as well as the benchmarked dtypes (a bfloat16 torch.mv on CPU is compute-bound), at two aspect
-    ratios; the best median is the bound, so that a slow kernel cannot flatter our fraction of it,
-    nor one lucky repetition (a single one read 51 GB/s) make it unreachable.
+    ratios; the best median wins, so that a slow kernel cannot flatter our fraction of the bound, nor
+    one lucky repetition make it unreachable. Each row probes with it again, beside its decode steps.
     """
-    best = 0.0
-    for cols in (4096, 32768):
-        rows = max(1, mib * MIB // (cols * torch.finfo(dtype).bits // 8))
-        w = torch.full((rows, cols), 0.01, dtype=dtype, device=device)
-        x = torch.full((cols,), 0.01, dtype=dtype, device=device)
-        for product in (torch.mv, lambda w, _vector: w.sum(-1)):
-            seconds = []
-            for _ in range(reps + 2):
-                synchronize(device)
-                start = time.perf_counter()
-                product(w, x)
-                synchronize(device)
-                seconds.append(time.perf_counter() - start)
-            best = max(best, w.numel() * w.element_size() / statistics.median(seconds[2:]))
-        del w
+    best = (0.0, "", None)
+    for dtype in dtypes:
+        for cols in (4096, 32768):
+            for name, product in PROBE_PRODUCTS.items():
+                make = probe_maker(device, dtype, cols, product, mib)
+                read, nbytes = make()
+                seconds = []
+                for _ in range(reps + 2):
+                    synchronize(device)
+                    start = time.perf_counter()
+                    read()
+                    synchronize(device)
+                    seconds.append(time.perf_counter() - start)
+                del read
+                rate = nbytes / statistics.median(seconds[2:])
+                if rate > best[0]:
+                    best = (rate, f"{name}, {str(dtype).removeprefix('torch.')}, {cols} columns", make)
     return best
 
 
 # ------------------------------------------------------------------------------------ the run
-def run_grid(args, configs: list[Config], device) -> tuple[list[dict], dict]:
-    rows, info = [], {}
+def run_grid(args, configs: list[Config], device) -> list[dict]:
+    rows = []
     prompts = {}
     vocab = checkpoint_config(args.checkpoint_path).vocab_size
 
@@ -641,13 +679,12 @@ def run_grid(args, configs: list[Config], device) -> tuple[list[dict], dict]:
             prompts[ctx] = random_prompt(vocab, ctx, args.seed)
         return prompts[ctx]
 
+    probe = None
     if args.bound:
-        dtypes = sorted({c.dtype for c in configs} | {"float32"})
-        info["bandwidth_gbs"] = {d: measure_bandwidth(device, resolve_dtype(d), args.bound_mib) / 1e9 for d in dtypes}
-        print(
-            "bandwidth (GB/s, best of torch.mv and row sums):",
-            ", ".join(f"{d} {v:.1f}" for d, v in info["bandwidth_gbs"].items()),
-        )
+        dtypes = [resolve_dtype(d) for d in sorted({c.dtype for c in configs} | {"float32"})]
+        rate, name, probe = fastest_probe(device, dtypes, args.bound_mib)
+        print(f"bandwidth {rate / 1e9:.1f} GB/s ({name}: the fastest of torch.mv and row sums, float32 and "
+              "the run's dtypes, two shapes); each row probes it again between its own decode steps")  # fmt: skip
 
     n_ours = len(configs)
     for dtype_name in dict.fromkeys(c.dtype for c in configs):
@@ -656,7 +693,7 @@ def run_grid(args, configs: list[Config], device) -> tuple[list[dict], dict]:
 
         def measure_ours(cfg, round_index, model=model):
             prof = profile_path(args.profile, cfg.tag, n_ours == 1) if args.profile and round_index == 0 else None
-            return measure(cfg, device, run_ours, model, cfg, prompt_for(cfg.context), args, device, prof)
+            return measure(cfg, device, run_ours, model, cfg, prompt_for(cfg.context), args, device, prof, probe)
 
         # Eager rows first: eager rows measured after compiled ones came out slower on a 2-core
         # machine (recent_global 10% @4096: 19 vs 24 tok/s eager-only); the cause is not pinned down.
@@ -691,7 +728,7 @@ def run_grid(args, configs: list[Config], device) -> tuple[list[dict], dict]:
                 return measure(cfg, device, run_hf, hf, cfg, prompt_for(cfg.context), args, device)
 
             rows += in_rounds(hf_configs, args.rounds, measure_hf)
-    return rows, info
+    return rows
 
 
 def in_rounds(configs: list[Config], rounds: int, measure_one) -> list[dict]:
@@ -757,18 +794,6 @@ def measure(cfg: Config, device, fn, *fn_args) -> dict:
     return row
 
 
-def add_bound(rows: list[dict], info: dict) -> None:
-    if "bandwidth_gbs" not in info:
-        return
-    bandwidth = max(info["bandwidth_gbs"].values()) * 1e9
-    info["bandwidth_used_gbs"] = bandwidth / 1e9
-    for r in rows:
-        if r["error"] or r["weights_mib"] is None:
-            continue
-        r["bound_tok_s"] = bandwidth / ((r["weights_mib"] + r["kv_read_mib"]) * MIB)
-        r["frac_of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
-
-
 # ------------------------------------------------------------------------------------ output
 TABLE = [
     ("impl", "impl", "{}"),
@@ -785,6 +810,7 @@ TABLE = [
     ("peak_mem_mib", "peak MiB", "{:.0f}"),
     ("cache_mib", "cache MiB", "{:.1f}"),
     ("compression_ratio", "compr", "{:.2f}"),
+    ("bandwidth_gbs", "GB/s", "{:.0f}"),
     ("bound_tok_s", "bound tok/s", "{:.1f}"),
     ("frac_of_bound", "of bound", "{:.0%}"),
     ("compile_s", "compile s", "{:.1f}"),
@@ -990,16 +1016,16 @@ def main(argv=None) -> list[dict]:
         )
     print(f"{len(configs)} configurations of ours" + (" + HF transformers" if args.compare == "hf" else ""))
     start = time.perf_counter()
-    rows, info = run_grid(args, configs, device)
-    add_bound(rows, info)
+    rows = run_grid(args, configs, device)
 
     print()
     print(format_table(rows))
     if args.markdown:
         print()
         print(format_table(rows, markdown=True))
-    if "bandwidth_used_gbs" in info:
-        print(f"bound = bandwidth {info['bandwidth_used_gbs']:.1f} GB/s / (weight bytes + KV bytes read per token)")
+    if any(r["bandwidth_gbs"] for r in rows):
+        print("bound = bandwidth (GB/s: the probe read between the row's decode steps) / (weight bytes + KV bytes"
+              " read per token); of bound = those decode steps' tok/s / bound")  # fmt: skip
     print()
     print(format_targets(compute_targets(rows, *args.target_contexts)))
     load_end = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

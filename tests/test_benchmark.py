@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -163,25 +164,19 @@ def test_targets_are_ratios_of_this_runs_rows():
     assert f"{sum(t['passed'] for t in judged)}/{len(judged)} passed" in text
 
 
-def test_alternate_steps_takes_compiled_and_eager_steps_in_turn_on_one_token_stream():
+def test_alternated_medians_calls_the_two_in_turn_and_returns_each_ones_median():
     calls = []
 
-    def stepper(name):
-        def step(model, token, pos):
-            calls.append((name, int(token), int(pos)))
-            logits = torch.zeros(1, 1, 8)
-            logits[..., int(token) + 1] = 1.0  # the next greedy token is token + 1
-            return logits
+    def slow(seconds):
+        def call(i):
+            calls.append((seconds, i))
+            time.sleep(seconds)
 
-        return step
+        return call
 
-    positions = [torch.tensor([p]) for p in range(10, 16)]
-    ratio, token = benchmark.alternate_steps(
-        None, stepper("compiled"), stepper("eager"), torch.tensor(0), positions, torch.device("cpu")
-    )
-    assert [c[0] for c in calls] == ["compiled", "eager"] * 3
-    assert [c[1:] for c in calls] == [(t, 10 + t) for t in range(6)] and int(token) == 6
-    assert math.isfinite(ratio) and ratio > 0
+    first_s, second_s = benchmark.alternated_medians(slow(0.002), slow(0.02), 3, torch.device("cpu"))
+    assert calls == [(0.002, 0), (0.02, 0), (0.002, 1), (0.02, 1), (0.002, 2), (0.02, 2)]
+    assert 0.002 <= first_s < 0.02 <= second_s
 
 
 def test_table_and_csv(tmp_path):
@@ -203,6 +198,7 @@ def test_quick_run_writes_a_csv_of_positive_measurements(smollm2_checkpoint, tmp
         sys.executable, str(ROOT / "benchmark.py"), "--quick", "--strategies", "full", "recent_global",
         "--context_lengths", "48", "--decode_steps", "3", "--warmup", "1", "--rounds", "2", "--device", "cpu",
         "--checkpoint_path", str(smollm2_checkpoint), "--csv", str(out), "--profile", str(trace), "--profile_steps", "1",
+        "--bound", "--bound_mib", "16",
     ]  # fmt: skip
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -213,7 +209,8 @@ def test_quick_run_writes_a_csv_of_positive_measurements(smollm2_checkpoint, tmp
     assert [(r["strategy"], r["budget"], r["context"]) for r in rows] == [("full", "1.0", "48"), ("recent_global", "0.25", "48")]  # fmt: skip
     for r in rows:
         assert r["error"] == ""
-        for column in ("prefill_tok_s", "decode_tok_s", "decode_ms", "prefill_peak_mib", "peak_mem_mib", "cache_mib"):
+        measured = ("prefill_tok_s", "decode_tok_s", "decode_ms", "prefill_peak_mib", "peak_mem_mib", "cache_mib")
+        for column in (*measured, "bandwidth_gbs", "bound_tok_s", "frac_of_bound"):
             value = float(r[column])
             assert math.isfinite(value) and value > 0, (column, r[column])
         assert int(r["decode_steps"]) == 3 and int(r["rounds"]) == 2
