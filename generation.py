@@ -149,9 +149,9 @@ def compile_steps(model_fns: dict, device: torch.device) -> dict:
     On CPU decode's graph calls its kernels from generated C++ (cpp_wrapper), not Python: 7% faster
     full decode @512 bfloat16, the same kernels (not measured on GPUs, where it needs the CUDA
     headers). Caches that attend through the probabilities keep eager's softmax too
-    (model.softmax_as_eager). Prefill does not freeze: with bfloat16 instructions inductor would prepack (and fuse) its
-    projections, and without them fold the float32 upcast of every weight into constants (+360 MiB
-    for the embedded model).
+    (model.softmax_as_eager). Prefill does not freeze: with bfloat16 instructions inductor would
+    prepack (and fuse) its projections, and without them fold the float32 upcast of every weight into
+    constants (+360 MiB for the embedded model).
     """
     torch._inductor.config.fallback_random = True
     torch._inductor.config.emulate_precision_casts = True

@@ -2,7 +2,7 @@
 
 import torch
 
-from model import FeedForward, Linear, ModelArgs, Transformer
+from model import ModelArgs, Transformer, one_token_projections
 
 TINY_CONFIG = dict(
     block_size=256,
@@ -37,9 +37,5 @@ def tiny_prompt(length: int, seed: int = 0, vocab_size: int = TINY_CONFIG["vocab
 
 
 def packed_copies(model: torch.nn.Module) -> list[bool]:
-    """Whether each one-token projection of the model has a packed copy: a FeedForward's w1 and w3
-    share the FeedForward's, every other Linear has its own."""
-    feed_forwards = [m for m in model.modules() if isinstance(m, FeedForward)]
-    joined = [p for f in feed_forwards for p in (f.w1, f.w3)]
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m not in joined]
-    return [f.packed_gate_up is not None for f in feed_forwards] + [m.packed_weight is not None for m in linears]
+    """Whether each one-token projection of the model has its packed copy (w1 and w3: their FeedForward's)."""
+    return [m.packed_weight is not None for m in one_token_projections(model)]

@@ -268,7 +268,7 @@ def test_decode_feed_forward_through_the_stacked_packed_w1_w3_gives_the_separate
     assert torch.equal(feed_forward(x, decode=True), separate)
     assert torch.equal(feed_forward(x), torch.zeros_like(separate))  # outside decode: the plain weights
     feed_forward.float()  # a cast (or move) drops the stacked copy too
-    assert feed_forward.packed_gate_up is None
+    assert feed_forward.packed_weight is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
