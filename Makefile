@@ -22,5 +22,5 @@ test: install-dev $(CHECKPOINT)
 test-fast: install-dev $(CHECKPOINT)
 	$(PYTHON) -m pytest -q -m "not slow"
 
-lint:
-	ruff check . && ruff format --check .
+lint: install-dev
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

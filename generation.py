@@ -131,39 +131,36 @@ def prefill_length(prompt_length: int, caches: list, feed_long_prompts: bool) ->
     return prompt_length
 
 
+RECOMPILE_LIMIT = 64  # eval and benchmark reuse the compiled steps across many cache configurations
+
+
 def compile_steps(model_fns: dict, device: torch.device) -> dict:
     """torch.compile of the decode step (fixed shapes) and of prefill (dynamic prompt length).
 
-    Inductor's own RNG would make `random` eviction differ from eager; eval and benchmark reuse
-    the steps across many cache configurations, hence the higher recompile limit. Decode freezes
-    the weights into the graph (cache buffers stay mutable), so compiled steps serve one model; CUDA
-    graphs stay off because the step's inputs are fresh tensors each call. Precision casts are
-    emulated so that fused bfloat16 kernels round where eager rounds, and the matmuls stay ATen's
-    (no max-autotune, no weight prepacking by inductor): on CPU its one-token bfloat16 GEMM sums in
-    torch.mv's order, so compiled projections round as eager's in every dtype. The autotuned micro-GEMM
-    decoded bf16 ~15% faster but rounded differently; inductor's own oneDNN prepacking (CPUs with
-    bfloat16 instructions) fused the following SiLU or residual add into the product, rounding once
-    where eager rounds twice: tokens drifted where logits nearly tie (BENCHMARK.md). On such CPUs
-    load_model packs the weights itself and decode calls oneDNN's product eagerly and compiled alike
-    (model.Linear); a packed weight enters only a frozen graph, so it serves decode, not prefill.
-    On CPU decode's graph calls its kernels from generated C++ (cpp_wrapper), not Python: 7% faster
-    full decode @512 bfloat16, the same kernels (not measured on GPUs, where it needs the CUDA
-    headers). Caches that attend through the probabilities keep eager's softmax too
-    (model.softmax_as_eager). Prefill does not freeze: with bfloat16 instructions inductor would
-    prepack (and fuse) its projections, and without them fold the float32 upcast of every weight into
-    constants (+360 MiB for the embedded model).
+    Inductor options are passed per compile, and freezing (which dynamo reads when it traces) is
+    patched around each decode call, so nothing leaks to a later caller; only dynamo's recompile
+    limit is raised, for all. The options keep compiled tokens equal to eager's: inductor's RNG would
+    make `random` eviction differ, so it falls back to eager's; precision casts are emulated so fused
+    bfloat16 kernels round where eager rounds; the matmuls stay ATen's (no max-autotune, no weight
+    prepacking by inductor), whose one-token GEMM sums in torch.mv's order, where an autotuned
+    micro-GEMM or a prepacked product with a fused SiLU would round differently and tokens would
+    drift where logits nearly tie. Decode freezes the weights into the graph (cache buffers stay
+    mutable), so compiled steps serve one model; on CPU it calls its kernels from generated C++
+    (cpp_wrapper). CUDA graphs stay off because the step's inputs are fresh tensors each call.
+    Prefill does not freeze: inductor would prepack and fuse its projections, or fold the float32
+    upcast of every weight into constants.
     """
-    torch._inductor.config.fallback_random = True
-    torch._inductor.config.emulate_precision_casts = True
-    torch._inductor.config.freezing = True
-    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    common = {"fallback_random": True, "emulate_precision_casts": True}
+    decode = torch.compile(
+        model_fns["decode"],
+        fullgraph=True,
+        options={**common, "cpp.weight_prepack": False, "cpp_wrapper": device.type == "cpu"},
+    )
+    freezing = torch._inductor.config.patch(freezing=True)  # dynamo reads it while tracing, at call time
     return {
-        "decode": torch.compile(
-            model_fns["decode"],
-            fullgraph=True,
-            options={"cpp.weight_prepack": False, "cpp_wrapper": device.type == "cpu"},
-        ),
-        "prefill": torch.compile(model_fns["prefill"], dynamic=True, options={"freezing": False}),
+        "decode": freezing(decode),
+        "prefill": torch.compile(model_fns["prefill"], dynamic=True, options={**common, "freezing": False}),
     }
 
 

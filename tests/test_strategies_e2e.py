@@ -242,22 +242,24 @@ COMPILE_CASES = [
 ]
 
 
-def fresh_compile_steps(model_fns: dict, monkeypatch) -> dict:
-    """compile_steps with inductor's global options restored after the test, and a fresh
-    recompile budget."""
-    import torch._dynamo
-    import torch._inductor.config
+def test_compile_steps_leaves_the_global_inductor_configuration_alone():
+    import torch._inductor.config as inductor_config
 
-    for option in ("fallback_random", "freezing", "emulate_precision_casts"):
-        monkeypatch.setattr(torch._inductor.config, option, getattr(torch._inductor.config, option))
+    before = inductor_config.get_config_copy()
+    generation.compile_steps(generation.STEPS, torch.device("cpu"))
+    assert inductor_config.get_config_copy() == before
+
+
+def fresh_compile_steps(model_fns: dict) -> dict:
+    """compile_steps with a fresh recompile budget."""
     torch._dynamo.reset()
     return generation.compile_steps(model_fns, torch.device("cpu"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "dtype"), COMPILE_CASES)
-def test_compile_gives_eager_tokens(name, dtype, tiny, monkeypatch):
-    steps = fresh_compile_steps(generation.STEPS, monkeypatch)
+def test_compile_gives_eager_tokens(name, dtype, tiny):
+    steps = fresh_compile_steps(generation.STEPS)
     model = tiny if dtype == torch.float32 else tiny_transformer(seed=0, dtype=dtype)
     kwargs = tiny_cache_kwargs(name) if name in COMPRESSED else default_cache_kwargs(max_cache_length=[1.0])
     prompt = tiny_prompt(40, seed=1)
@@ -274,7 +276,7 @@ def test_compile_gives_eager_tokens(name, dtype, tiny, monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_prefill_normalizes_and_projects_a_bfloat16_prompt_exactly_as_eager(monkeypatch):
+def test_compiled_prefill_normalizes_and_projects_a_bfloat16_prompt_exactly_as_eager():
     """At the embedded model's sizes, where the tiny model's are too small to show it. With frozen
     weights, a bfloat16 prompt projected in float32 (CPUs without bf16 instructions) came out of a
     prepacked GEMM that differed from eager in ~1 of 8,000 values; a fused RMSNorm summing float32
@@ -284,7 +286,7 @@ def test_compiled_prefill_normalizes_and_projects_a_bfloat16_prompt_exactly_as_e
     norm = RMSNorm(576).to(torch.bfloat16).requires_grad_(False)
     layer = Linear(576, 1536, bias=False).to(torch.bfloat16).requires_grad_(False)
     ids = torch.randint(0, 49152, (1, 4096))
-    steps = fresh_compile_steps({"prefill": lambda m, x: m(x), "decode": lambda m, x: m(x)}, monkeypatch)
+    steps = fresh_compile_steps({"prefill": lambda m, x: m(x), "decode": lambda m, x: m(x)})
     x = embedding(ids)
     assert torch.equal(steps["prefill"](norm, x), norm(x))
     assert torch.equal(steps["prefill"](layer, x[:, :512]), layer(x[:, :512]))
@@ -294,9 +296,7 @@ def test_compiled_prefill_normalizes_and_projects_a_bfloat16_prompt_exactly_as_e
 @pytest.mark.slow
 @pytest.mark.parametrize("cache_args", [{}, {"cache_bits": 4}], ids=["full", "full-4bit"])
 @torch.no_grad()  # as generation runs it: inductor freezes weights only without autograd
-def test_compiled_decode_gives_eager_bfloat16_logits_on_the_embedded_model(
-    cache_args, model_bf16, short_prompt_ids, monkeypatch
-):
+def test_compiled_decode_gives_eager_bfloat16_logits_on_the_embedded_model(cache_args, model_bf16, short_prompt_ids):
     """Bit for bit, where the tiny model is too small to show a difference: with max-autotune,
     inductor's micro-GEMM summed the one-token projections in another order than eager's torch.mv;
     inductor's own softmax, and its reduction for the 4-bit cache's zero-point term, summed in
@@ -305,7 +305,7 @@ def test_compiled_decode_gives_eager_bfloat16_logits_on_the_embedded_model(
     the following SiLU or residual add into that product (rounding once, where eager rounds twice)."""
     packed = packed_copies(model_bf16)
     assert all(packed) == any(packed) and (ONEDNN_PACKS_BFLOAT16 or not any(packed))  # all or none (free memory)
-    compiled_steps = fresh_compile_steps(generation.STEPS, monkeypatch)
+    compiled_steps = fresh_compile_steps(generation.STEPS)
     kwargs = default_cache_kwargs(**cache_args)
     logits = {}
     for name, decode in (("eager", generation.decode_one_token), ("compiled", compiled_steps["decode"])):
