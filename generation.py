@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from cache import cache_statistics, create_caches
-from model import ModelArgs, Transformer, pack_one_token_weights
+from model import ModelArgs, Transformer
+from one_token import pack_one_token_weights
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct"
 PREPARE_HINT = {"SmolLM2-135M-Instruct": "bash scripts/prepare_smollm2.sh (or: make demo)"}

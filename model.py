@@ -10,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from one_token import KeepsPackedCopy, linear
+from one_token import matmul_dtype as matmul_dtype  # cache.py imports it from here
 from quantization_utils import QuantizedTensor, order_free_dtype, quantized_scores, quantized_weighted_sum
 
 
@@ -181,127 +183,6 @@ transformer_configs = {
 }
 
 
-# CPUs whose best vector unit is AVX2 have no bfloat16 or float16 instructions: there a half-precision
-# matrix product of 2,000 rows ran 10x slower than the float32 product of the same values.
-HALF_MATMUL_IS_EMULATED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "NO AVX", "DEFAULT")
-FLOAT32_GEMM_MIN_ROWS = 8  # fewer rows: the weights' upcast costs more than it saves (measured at 4)
-# With bfloat16 instructions (AVX512-BF16, AMX), oneDNN multiplies one token by weights it has packed
-# into its blocked layout streaming them at 15-31 GB/s, by the plain weights (F.linear) at 10-13 GB/s
-# (AVX512-BF16 VM); both gave the same values, bit for bit, at every projection shape of the embedded model.
-ONEDNN_PACKS_BFLOAT16 = (
-    not HALF_MATMUL_IS_EMULATED
-    and torch.backends.mkldnn.is_available()
-    and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-)
-
-
-def matmul_dtype(x: Tensor) -> torch.dtype:
-    """The dtype to multiply x's values in: float32 for half precision on a CPU that only emulates it
-    (the upcast is exact, and the float32 kernels ran 2-10x faster), else x's own."""
-    if HALF_MATMUL_IS_EMULATED and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return x.dtype
-
-
-def pack_for_one_token(weight: Tensor) -> Tensor:
-    """oneDNN's packed copy of a bfloat16 weight, for one_token_product. A compiled graph takes the
-    packed tensor only as a frozen constant (compile_steps freezes the decode graph, not prefill's),
-    and only with static sizes."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-    torch._dynamo.mark_static(packed)
-    return packed
-
-
-def one_token_product(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    """x [..., n_in] of one token times a weight packed by pack_for_one_token, eager and compiled alike.
-
-    The views keep inductor from fusing the next op (SiLU, the residual add) into the product, which
-    would round once where eager rounds twice."""
-    y = torch.ops.mkldnn._linear_pointwise(x.view(1, -1), packed, bias, "none", [], "")
-    return y.view(*x.shape[:-1], -1)
-
-
-class KeepsPackedCopy(nn.Module):
-    """A module that may hold a oneDNN-packed copy of its weights for one-token products (`pack`)."""
-
-    packed_weight: Tensor | None = None
-
-    def _apply(self, fn, recurse=True):
-        self.packed_weight = None  # a move or cast would leave the packed copy behind
-        return super()._apply(fn, recurse)
-
-
-class Linear(KeepsPackedCopy, nn.Linear):
-    """nn.Linear that picks, on CPU, the kernel that is fastest for the shape and dtype.
-
-    One token of a decode step (`decode`): bfloat16 weights packed by `pack` go through oneDNN's product on
-    the packed copy, eager and compiled alike (the same op, so the same rounding); else eager bfloat16 runs
-    torch.mv where bfloat16 is emulated (full decode @512: 12-16% faster than F.linear's GEMM, same
-    values), compiled float32 a multiply and row sum that inductor fuses into one pass over the weights
-    (@512: +23%); compiled bfloat16 keeps F.linear, which inductor leaves to ATen's GEMM: for one row it
-    sums in torch.mv's order, so compiled rounds as eager does (torch.mv itself inductor would decompose
-    into a reduction that sums in another order). Many tokens in half precision on a CPU without
-    half-precision instructions (a prefill): the exact float32 upcast, a float32 GEMM and one rounding
-    back (bfloat16 prefill @2000: 5x faster).
-    """
-
-    def pack(self) -> None:
-        """Keeps oneDNN's packed copy of the weight beside the plain one (prefill and a tied embedding
-        read that): one more copy of the weights in memory for a 2-4x faster one-token product. Pack
-        after the last change to the weight; the copy does not follow it."""
-        self.packed_weight = pack_for_one_token(self.weight)
-
-    def forward(self, x: Tensor, decode: bool = False) -> Tensor:
-        rows = x.shape[:-1].numel()
-        if decode and rows == 1 and self.packed_weight is not None:
-            return one_token_product(x, self.packed_weight, self.bias)
-        on_cpu = x.device.type == "cpu"
-        compiling = torch.compiler.is_compiling()
-        work = matmul_dtype(x)
-        if work != x.dtype and rows >= FLOAT32_GEMM_MIN_ROWS:
-            bias = None if self.bias is None else self.bias.to(work)
-            return F.linear(x.to(work), self.weight.to(work), bias).to(x.dtype)
-        if rows == 1 and on_cpu and compiling and x.dtype == torch.float32:
-            y = (self.weight * x.reshape(1, -1)).sum(-1)
-        elif rows == 1 and on_cpu and not compiling and x.dtype == torch.bfloat16 and HALF_MATMUL_IS_EMULATED:
-            y = torch.mv(self.weight, x.reshape(-1))
-        else:
-            return super().forward(x)
-        return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], -1)
-
-
-def free_memory_bytes() -> int:
-    """MemAvailable on Linux; 0 where it cannot be read, so that nothing is packed there."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def one_token_projections(model: nn.Module) -> list[KeepsPackedCopy]:
-    """The modules pack_one_token_weights packs: each FeedForward (w1 and w3 stacked), every other Linear."""
-    feed_forwards = [m for m in model.modules() if isinstance(m, FeedForward)]
-    joined = {id(p) for f in feed_forwards for p in (f.w1, f.w3)}
-    return feed_forwards + [m for m in model.modules() if isinstance(m, Linear) and id(m) not in joined]
-
-
-def pack_one_token_weights(model: nn.Module) -> None:
-    """Packs the projections of a bfloat16 model on a CPU where oneDNN has bfloat16 instructions (see
-    Linear.pack), unless the packed copies would take more than a quarter of the available memory: a
-    speed-up is not worth swapping (an 8B model in bfloat16 would need 16 GB more)."""
-    weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
-    if not ONEDNN_PACKS_BFLOAT16 or any(w.device.type != "cpu" or w.dtype != torch.bfloat16 for w in weights):
-        return
-    if sum(w.numel() * w.element_size() for w in weights) * 4 > free_memory_bytes():
-        return
-    for module in one_token_projections(model):
-        module.pack()
-
-
 class Transformer(nn.Module):
     def __init__(self, config: ModelArgs) -> None:
         super().__init__()
@@ -426,9 +307,9 @@ def _(x: Tensor) -> Tensor:
 
 def softmax_as_eager(x: Tensor) -> Tensor:
     """Softmax over the last dim that rounds alike eager and compiled: compiled, eager's kernel behind
-    a custom op, since inductor's fused softmax sums in another order (29% of the probabilities of a
-    4,096-slot case differed in the last bits) and caches that weight or score by them then gave
-    compiled greedy tokens unlike eager's; eager, torch.softmax itself (the op's dispatch costs 14 us)."""
+    a custom op, since inductor's fused softmax sums in another order and caches that weight or score
+    tokens by the probabilities would then give compiled greedy tokens unlike eager's; eager,
+    torch.softmax itself, without the custom op's dispatch cost."""
     return opaque_softmax(x) if torch.compiler.is_compiling() else torch.softmax(x, dim=-1)
 
 
@@ -436,7 +317,7 @@ def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]
     """Attention that also returns the probabilities, for caches that score tokens by attention.
 
     Half-precision scores and sums are float32, as SDPA accumulates: with bfloat16 scores (CPUs with
-    bfloat16 instructions) heavy_hitter at full length gave other greedy tokens than the full cache.
+    bfloat16 instructions) heavy_hitter at full length would give other greedy tokens than the full cache.
     k and v may be a low-bit cache's QuantizedTensor: the dequantization folds into the two matmuls.
     """
     if isinstance(k, QuantizedTensor):
@@ -449,24 +330,30 @@ def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]
     return (probs @ v.float()).to(v.dtype), probs
 
 
+class Linear(KeepsPackedCopy, nn.Linear):
+    """nn.Linear on the CPU kernel that suits the shape and dtype (one_token.linear); one token of a
+    decode step (`decode`) goes through the packed copy of the weight where load_model made one."""
+
+    def forward(self, x: Tensor, decode: bool = False) -> Tensor:
+        y = self.packed_product(x, decode, self.bias)
+        return linear(x, self.weight, self.bias) if y is None else y
+
+
 class FeedForward(KeepsPackedCopy):
+    stacks = ("w1", "w3")  # one packed copy for both, as they multiply the same input
+
     def __init__(self, config: ModelArgs) -> None:
         super().__init__()
         self.w1 = Linear(config.dim, config.intermediate_size, bias=False)
         self.w3 = Linear(config.dim, config.intermediate_size, bias=False)
         self.w2 = Linear(config.intermediate_size, config.dim, bias=False)
 
-    def pack(self) -> None:
-        """One packed copy of w1 and w3 stacked (they multiply the same input): a decode step then
-        makes one oneDNN call for both, 30 fewer per step for the embedded model (-1 ms @512, 5%), and
-        each output equals its own product's bit for bit. w2 packs as a Linear."""
-        self.packed_weight = pack_for_one_token(torch.cat([self.w1.weight, self.w3.weight]))
-
     def forward(self, x: Tensor, decode: bool = False) -> Tensor:
-        if decode and x.shape[:-1].numel() == 1 and self.packed_weight is not None:
-            gate, up = one_token_product(x, self.packed_weight, None).chunk(2, dim=-1)
-        else:
+        gate_up = self.packed_product(x, decode)
+        if gate_up is None:
             gate, up = self.w1(x, decode), self.w3(x, decode)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up, decode)
 
 
@@ -477,10 +364,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        """The mean square accumulates in float64 (MPS has none: float32), so eager's and a fused
-        kernel's summation orders round to the same float32 scale: the compiled bfloat16 prefill of
-        4,096 tokens is then bit-identical to eager's (with float32 sums, ~1 in 200,000 normalized
-        values differed)."""
+        """The mean square accumulates in float64 (MPS has none: float32), so that eager's and a fused
+        kernel's summation orders round to the same float32 scale and a compiled bfloat16 prefill
+        normalizes as eager's does."""
         xf = x.float()
         scale = torch.rsqrt(xf.to(order_free_dtype(x.device)).pow(2).mean(-1, keepdim=True) + self.eps).float()
         return (xf * scale).type_as(x) * self.weight

@@ -6,7 +6,7 @@ single ``torch.compile(fullgraph=True)`` graph inside the decode step.
 
 Packing layout is planar: with ``n = 8 // bits`` codes per byte, byte ``i`` holds codes
 ``i, i + D/n, ..., i + (n-1)D/n`` from low to high bits. Unlike interleaving neighbours, this makes
-both directions contiguous slice/concat ops, which are about twice as fast in eager mode on CPU.
+both directions contiguous slice/concat ops, which are cheaper in eager mode on CPU.
 """
 
 import math
@@ -86,7 +86,7 @@ def quantize(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
     """
     qmax = (1 << bits) - 1
     xf = x.float()
-    # amin + amax is several times faster than aminmax on CPU.
+    # amin + amax is faster than aminmax on CPU.
     lo, hi = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
     scale = _round_up_to((hi - lo) / qmax, x.dtype)
     inv_scale = 1.0 / scale.clamp_min(torch.finfo(torch.float32).tiny)
@@ -98,7 +98,7 @@ def dequantize(packed: Tensor, scale: Tensor, zero: Tensor, bits: int, dtype: to
     """Rebuild ``codes * scale + zero`` for attention, in float32 so only the final cast rounds.
 
     Decodes each packed bit field straight to ``dtype`` and concatenates those, instead of
-    unpacking to uint8 codes first; compiled, that is one vectorized kernel and ~10x faster.
+    unpacking to uint8 codes first; compiled, that is one vectorized kernel.
     """
     scale, zero = scale.float(), zero.float()
     return torch.cat([(c.float() * scale + zero).to(dtype) for c in _code_chunks(packed, bits)], dim=-1)
@@ -136,7 +136,7 @@ def quantized_weighted_sum(probs: Tensor, v: QuantizedTensor) -> Tensor:
 def exact_sum(x: Tensor) -> Tensor:
     """Float32 sum over the last dim, accumulated in float64 so any summation order rounds alike:
     inductor turns a one-column matmul into its own reduction, and with float32 sums compiled and
-    eager 4-bit decode differed in every value of the zero-point term."""
+    eager 4-bit decode would round the zero-point term differently."""
     return x.to(order_free_dtype(x.device)).sum(-1, keepdim=True).float()
 
 

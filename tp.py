@@ -56,8 +56,8 @@ def maybe_init_dist(device: torch.device | str | None = None) -> int | None:
 def maybe_destroy_dist() -> None:
     """Leaves the process group. The barrier first lets every rank finish its collectives: a rank
     that tears gloo down while its peer still has traffic in flight can abort at exit. The collection
-    after it frees what still references the group now, not during interpreter exit, where a loaded
-    machine saw ~1 in 10 two-rank runs abort ("terminate called without an active exception")."""
+    after it frees what still references the group now, not during interpreter exit, where a run can
+    abort ("terminate called without an active exception")."""
     if is_distributed():
         dist.barrier()
         dist.destroy_process_group()

@@ -2,7 +2,8 @@
 
 import torch
 
-from model import ModelArgs, Transformer, one_token_projections
+from model import ModelArgs, Transformer
+from one_token import one_token_projections
 
 TINY_CONFIG = dict(
     block_size=256,

@@ -25,10 +25,12 @@ from transformers import (
 )
 
 import model as model_module
+import one_token
 from cache import default_cache_kwargs
 from generation import generate as our_generate
 from generation import load_model
-from model import HALF_MATMUL_IS_EMULATED, ONEDNN_PACKS_BFLOAT16, Linear, ModelArgs
+from model import Linear, ModelArgs
+from one_token import HALF_MATMUL_IS_EMULATED, ONEDNN_PACKS_BFLOAT16
 from tokenizer import get_tokenizer
 
 LOGITS_ATOL = 1e-3
@@ -241,11 +243,11 @@ def test_decode_projects_through_the_packed_weights_with_the_plain_weights_value
 def test_weights_are_packed_only_when_the_copy_fits_in_a_quarter_of_free_memory(monkeypatch):
     model = tiny_transformer(seed=0, dtype=torch.bfloat16)
     weight_bytes = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, Linear))
-    monkeypatch.setattr(model_module, "free_memory_bytes", lambda: 4 * weight_bytes - 1)
-    model_module.pack_one_token_weights(model)
+    monkeypatch.setattr(one_token, "free_memory_bytes", lambda: 4 * weight_bytes - 1)
+    one_token.pack_one_token_weights(model)
     assert not any(packed_copies(model))
-    monkeypatch.setattr(model_module, "free_memory_bytes", lambda: 4 * weight_bytes)
-    model_module.pack_one_token_weights(model)
+    monkeypatch.setattr(one_token, "free_memory_bytes", lambda: 4 * weight_bytes)
+    one_token.pack_one_token_weights(model)
     assert all(packed_copies(model))
     assert model.layers[0].feed_forward.w1.packed_weight is None  # w1 and w3 only in their stacked copy
 

@@ -21,7 +21,8 @@ import generate as generate_cli
 import generation
 from cache import default_cache_kwargs
 from generation import DEFAULT_CHECKPOINT, load_model
-from model import ONEDNN_PACKS_BFLOAT16, Linear, RMSNorm
+from model import Linear, RMSNorm
+from one_token import ONEDNN_PACKS_BFLOAT16
 from tokenizer import get_tokenizer
 
 SHORT_PROMPT = "What is a cold compress?"
