@@ -38,9 +38,10 @@ from pathlib import Path
 
 import torch
 
-from cache import (
+from cache import check_value
+from cache_args import (
     add_cache_arguments,
-    add_token_ids,
+    add_tokenizer_kwargs,
     check_cache_lengths,
     check_compatibility,
     parse_args_with_cache_config,
@@ -89,21 +90,36 @@ class EvalError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", nargs="+", required=True, help="task names, each optionally name:key=value,...")
+    parser.add_argument(
+        "--tasks", nargs="+", required=True, help="task names, each optionally name:key=value,... (required)"
+    )
     parser.add_argument("--task_options", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="options for every task that has them (e.g. seq_length=4000)")  # fmt: skip
-    parser.add_argument("--seq_length", type=int, default=None, help="context length of the RULER tasks")
-    parser.add_argument("--max_new_tokens", type=int, default=None, help="override the generate tasks' own")
+                        help="options for every task that has them, e.g. seq_length=4000 (default: none)")  # fmt: skip
+    parser.add_argument(
+        "--seq_length", type=int, default=None, help="context length of the RULER tasks (default: each task's own)"
+    )
+    parser.add_argument(
+        "--max_new_tokens", type=int, default=None, help="override the generate tasks' own (default: each task's own)"
+    )
     parser.add_argument("--num_samples", type=int, default=None, help="seeded subset per task (default: all)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data_dir", type=Path, default=None, help="local <task>.jsonl/.csv/.parquet files")
-    parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="converted checkpoint folder")
+    parser.add_argument("--seed", type=int, default=0, help="seeds sample choice and generation (default: 0)")
+    parser.add_argument(
+        "--data_dir", type=Path, default=None, help="local <task>.jsonl/.csv/.parquet files (default: none)"
+    )
+    parser.add_argument(
+        "--checkpoint_path",
+        type=Path,
+        default=DEFAULT_CHECKPOINT,
+        help="converted checkpoint folder (default: the embedded SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
-    parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
-    parser.add_argument("--no_chat_template", action="store_true", help="feed prompts as raw text")
-    parser.add_argument("--out_dir", type=Path, default=Path("results"))
-    parser.add_argument("--overwrite", action="store_true", help="discard earlier predictions of these tasks")
-    parser.add_argument("--compile", action="store_true", help="torch.compile prefill and decode")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32 (default: bfloat16)")
+    parser.add_argument("--no_chat_template", action="store_true", help="feed prompts as raw text (default: off)")
+    parser.add_argument("--out_dir", type=Path, default=Path("results"), help="results root folder (default: results)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="discard earlier predictions of these tasks (default: off)"
+    )
+    parser.add_argument("--compile", action="store_true", help="torch.compile prefill and decode (default: off)")
     add_cache_arguments(parser)
     return parser
 
@@ -452,6 +468,9 @@ def prepare(args):
     """Every check that needs no model weights: returns what the run needs, or raises."""
     if args.num_samples is not None and args.num_samples < 1:
         raise EvalError(f"--num_samples must be at least 1, got {args.num_samples} (omit it for all samples)")
+    for flag, value in (("--max_new_tokens", args.max_new_tokens), ("--seq_length", args.seq_length)):
+        if value is not None:
+            check_value(flag, value, minimum=1)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype)
     tasks = resolve_tasks(args)
@@ -461,7 +480,7 @@ def prepare(args):
     folder = args.out_dir / Path(args.checkpoint_path).name / config_folder_name(cache_kwargs)
     prepare_out_dir(folder)
     tokenizer = get_tokenizer(args.checkpoint_path)
-    cache_kwargs = add_token_ids(cache_kwargs, tokenizer)
+    cache_kwargs = add_tokenizer_kwargs(cache_kwargs, tokenizer)
     chat = not args.no_chat_template and tokenizer.is_chat
     overhead = len(tokenizer.encode(tokenizer.apply_chat_template(""))) + 8 if chat else 1
     prepared = []

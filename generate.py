@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 import tp
-from cache import (
+from cache import check_value
+from cache_args import (
     add_cache_arguments,
-    add_token_ids,
+    add_tokenizer_kwargs,
     check_cache_lengths,
     check_compatibility,
     parse_args_with_cache_config,
@@ -44,20 +45,25 @@ PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", default="What is a cold compress?",
+                        help="a prompt string, or NAME.txt from prompts/ (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT,
+                        help="converted checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
+    parser.add_argument("--max_new_tokens", type=int, default=256,
+                        help="most tokens to generate; stops earlier at an end token (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default: 0)")
+    parser.add_argument("--top_k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
     parser.add_argument(
-        "--prompt", default="What is a cold compress?", help="a prompt string, or NAME.txt from prompts/"
+        "--seed", type=int, default=0, help="makes sampling and random eviction repeatable (default: 0)"
     )
-    parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="converted checkpoint folder")
-    parser.add_argument("--max_new_tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top_k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
-    parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
-    parser.add_argument("--no_chat_template", action="store_true", help="feed the prompt as raw text")
-    parser.add_argument("--compile", action="store_true", help="torch.compile prefill and decode")
-    parser.add_argument("--csv", type=Path, default=None, help="append one row of statistics and arguments")
-    parser.add_argument("--profile", type=Path, default=None, help="write a torch profiler chrome trace of the run")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32 (default: bfloat16)")
+    parser.add_argument("--no_chat_template", action="store_true", help="feed the prompt as raw text (default: off)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile prefill and decode (default: off)")
+    parser.add_argument("--csv", type=Path, default=None,
+                        help="append one row of statistics and arguments to this file (default: none)")  # fmt: skip
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="write a torch profiler chrome trace of the run to this file (default: none)")  # fmt: skip
     add_cache_arguments(parser)
     return parser
 
@@ -74,6 +80,23 @@ def read_prompt(prompt: str) -> str:
     return prompt
 
 
+# Printed first, in their own words; every other statistic the caches report follows by name.
+SPEED_AND_SIZE = (
+    "prompt_tokens",
+    "new_tokens",
+    "prefill_time",
+    "decode_time",
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "total_time",
+    "peak_memory_bytes",
+    "compression_ratio",
+    "cache_memory_bytes",
+    "compression_ratio_per_layer",
+    "cache_memory_bytes_per_layer",
+)
+
+
 def print_statistics(stats: dict) -> None:
     print(f"\nprefill: {stats['prompt_tokens']} tokens, {stats['prefill_tokens_per_s']:.1f} tokens/s")
     print(f"decode: {stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tokens/s")
@@ -85,6 +108,18 @@ def print_statistics(stats: dict) -> None:
     print(f"compression ratio per layer: {ratios}")
     memory = " ".join(f"{m / 2**10:.0f}" for m in stats["cache_memory_bytes_per_layer"])
     print(f"cache memory per layer (KiB): {memory}")
+    for key, value in stats.items():
+        if key not in SPEED_AND_SIZE:
+            print(f"{key.replace('_', ' ')}: {format_statistic(value)}")
+
+
+def format_statistic(value) -> str:
+    """A number to 4 decimals, a list of numbers per layer, a dict (e.g. shares) as name=value."""
+    if isinstance(value, dict):
+        return ", ".join(f"{name} {format_statistic(v)}" for name, v in value.items())
+    if isinstance(value, list):
+        return " ".join(f"[{format_statistic(v)}]" if isinstance(v, dict) else format_statistic(v) for v in value)
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
 def append_csv(path: Path, stats: dict, args: argparse.Namespace) -> None:
@@ -107,10 +142,13 @@ def main(argv=None) -> None:
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype)
-        if args.max_new_tokens < 1:
-            raise ValueError("--max_new_tokens must be at least 1")
+        check_value("--max_new_tokens", args.max_new_tokens, minimum=1)
+        check_value("--temperature", args.temperature, minimum=0)
+        if args.top_k is not None:
+            check_value("--top_k", args.top_k, minimum=1)
         prompt = read_prompt(args.prompt)
         check_output_path(args.profile, "--profile")
+        check_output_path(args.csv, "--csv")
         config = checkpoint_config(args.checkpoint_path)
         if tp.world_size() > 1:
             tp.check_tp(config, tp.world_size())
@@ -118,7 +156,7 @@ def main(argv=None) -> None:
         cache_kwargs = {k: v for k, v in vars(args).items()}
         check_compatibility(cache_kwargs, config.n_layer, compile=args.compile)
         tokenizer = get_tokenizer(args.checkpoint_path)
-        cache_kwargs = add_token_ids(cache_kwargs, tokenizer)
+        cache_kwargs = add_tokenizer_kwargs(cache_kwargs, tokenizer)
         text = prompt if args.no_chat_template or not tokenizer.is_chat else tokenizer.apply_chat_template(prompt)
         prompt_ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
         if prompt_ids.numel() + args.max_new_tokens > config.block_size:

@@ -1,6 +1,7 @@
 """Prefill-then-decode loop, cache setup and compile: shared by generate.py, eval.py and benchmark.py."""
 
 import contextlib
+import os
 import resource
 import time
 from pathlib import Path
@@ -181,11 +182,20 @@ def synchronize(device: torch.device) -> None:
 
 
 def check_output_path(path: Path | None, flag: str) -> None:
-    """Creates the folder of an output file up front, so a bad path fails before the work, in one line."""
+    """Proves an output file can be written before the work starts, so a bad path fails in one line
+    instead of losing a finished run: its folder is created and a probe file written beside it."""
     if path is None:
         return
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file path")
+    probe = path.parent / f".{path.name}.write_probe.{os.getpid()}"
     try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
     except OSError as e:
         raise ValueError(f"cannot write {flag} {path} ({e.strerror}); choose a writable path") from None
 

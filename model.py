@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from one_token import KeepsPackedCopy, linear
-from one_token import matmul_dtype as matmul_dtype  # cache.py imports it from here
 from quantization_utils import QuantizedTensor, order_free_dtype, quantized_scores, quantized_weighted_sum
 
 

@@ -45,6 +45,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL_PY = ROOT / "eval.py"
+sys.path.insert(0, str(ROOT))
+import strategies  # noqa: E402
+from cache_args import load_cache_config, parse_args_with_cache_config  # noqa: E402
+
 LOG_TAIL_BYTES = 1 << 16
 
 
@@ -121,27 +125,25 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     return args, unknown + passthrough
 
 
-def load_preset(config_name: str) -> dict:
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from cache import load_cache_config
-
-    return load_cache_config(config_name)
+def preset_strategies(config_name: str) -> list:
+    """The strategy classes a preset uses; none when it cannot be read (reported when the jobs are built)."""
+    try:
+        names = load_cache_config(config_name).get("cache_strategy", [strategies.DEFAULT_STRATEGY])
+        return [strategies.strategy_class(name) for name in names]
+    except ValueError:
+        return []
 
 
 def is_full(config_name: str) -> bool:
-    return Path(config_name).stem == "full"
+    """A baseline preset: every layer keeps every token (results are compared against it)."""
+    classes = preset_strategies(config_name)
+    return bool(classes) and all(c.name in strategies.baseline_strategies() for c in classes)
 
 
 def sizeless(config_name: str) -> bool:
-    """Presets whose caches keep every token or size themselves (full, hybrid): not swept over sizes."""
-    if is_full(config_name):
-        return True
-    try:
-        strategies = load_preset(config_name).get("cache_strategy", ["full"])
-    except ValueError:  # reported when the jobs are built
-        return False
-    return all(s in ("full", "hybrid") for s in strategies)
+    """Presets whose caches span the whole sequence (the baseline, FastGen-style policies): not swept over sizes."""
+    classes = preset_strategies(config_name)
+    return bool(classes) and all(c.spans_sequence for c in classes)
 
 
 def size_values(config_name: str, size: str) -> list[str]:
@@ -149,10 +151,15 @@ def size_values(config_name: str, size: str) -> list[str]:
     length per strategy (e.g. local_global's [1.0, 0.25]) gets `size` in place of its lengths below 1.0."""
     if "," in size:
         return [s for s in size.split(",") if s]
-    lengths = load_preset(config_name).get("max_cache_length") or []
+    lengths = load_cache_config(config_name).get("max_cache_length") or []
     if len(lengths) > 1:
         return [str(v) if float(v) == 1.0 else size for v in lengths]
     return [size]
+
+
+def baseline_preset() -> list[str]:
+    """The preset named for the baseline strategy (cache_configs/<name>.yaml)."""
+    return strategies.baseline_strategies()[:1]
 
 
 def job_name(*parts: str) -> str:
@@ -178,10 +185,10 @@ def expand_grid(args, extra: list[str]) -> list[Job]:
             for task in args.tasks:
                 argv = [*base, "--cache_config", config, "--tasks", task, "--max_cache_length", *values, *out, *extra]
                 jobs.append(Job(job_name(Path(config).stem, task, size), argv=argv))
-    full_configs = [c for c in args.config_names if is_full(c)] or (["full"] if args.include_full else [])
+    full_configs = [c for c in args.config_names if is_full(c)] or (baseline_preset() if args.include_full else [])
     for task in args.tasks if full_configs else []:
         argv = [*base, "--cache_config", full_configs[0], "--tasks", task, *out, *extra]
-        jobs.append(Job(job_name("full", task), argv=argv))
+        jobs.append(Job(job_name(Path(full_configs[0]).stem, task), argv=argv))
     return jobs
 
 
@@ -230,11 +237,8 @@ def inspect_job(job: Job) -> None:
     argv = eval_argv(words)
     if argv is None:
         return
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     try:
         import eval as eval_py
-        from cache import parse_args_with_cache_config
 
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             args = parse_args_with_cache_config(eval_py.build_parser(), argv)

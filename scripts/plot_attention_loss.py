@@ -11,22 +11,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cache import check_compatibility, default_cache_kwargs  # noqa: E402
+import strategies  # noqa: E402
+from cache_args import check_compatibility, default_cache_kwargs  # noqa: E402
 from generate import read_prompt  # noqa: E402
 from generation import DEFAULT_CHECKPOINT, CheckpointError, generate, load_model, resolve_device, resolve_dtype  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
-# A strategy's natural prompt compressor: head-specific caches can take the head-specific ones.
-NATURAL_COMPRESSOR = {"heavy_hitter": "heavy_hitter", "l2": "l2"}
 
-
-def attention_loss_curves(model, prompt_ids, strategies, max_cache_length, max_new_tokens) -> dict[str, list[float]]:
+def attention_loss_curves(model, prompt_ids, names, max_cache_length, max_new_tokens) -> dict[str, list[float]]:
     """Per-step attention loss (mean over layers) of each strategy, fed the same full-cache tokens."""
     curves = {}
-    for strategy in strategies:
+    for strategy in names:
         kwargs = default_cache_kwargs(
-            cache_strategy=[f"debug_{strategy}"],
-            prompt_compression_strategy=[NATURAL_COMPRESSOR.get(strategy, "recent_global")],
+            cache_strategy=[strategies.DEBUG_PREFIX + strategy],
+            prompt_compression_strategy=[strategies.natural_compressor(strategy)],
             max_cache_length=[max_cache_length],
         )
         check_compatibility(kwargs, model.config.n_layer)
@@ -61,7 +59,8 @@ def plot(curves: dict[str, list[float]], title: str, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", default="long_niah.txt")
-    parser.add_argument("--strategies", nargs="+", default=["recent_global", "heavy_hitter", "l2", "random"])
+    parser.add_argument("--strategies", nargs="+", default=strategies.compressing_strategies(),
+                        help="strategies to simulate (default: every compressing strategy)")  # fmt: skip
     parser.add_argument("--max_cache_length", type=float, default=0.25)
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT)

@@ -5,8 +5,8 @@
 Reads `args.json` and `all_metrics.json` of every configuration folder under `--results_dir` (one
 per cache configuration, as eval.py writes them) and draws one line per strategy (cache strategy
 plus prompt compressor, and bits / per-layer pattern where set) with the budget
-(`--max_cache_length`) on the x axis. A strategy measured at one budget only (the full cache) is
-drawn as a dashed horizontal reference line. Writes `<task>__<metric>.png`,
+(`--max_cache_length`) on the x axis. The baseline (a cache that keeps every token) is drawn as a
+dashed horizontal reference line; every other strategy is a point or a line through its budgets. Writes `<task>__<metric>.png`,
 `<task>__compression_ratio.png` and `<task>__cache_memory.png`, and prints a summary table
 (also written as `summary.csv`).
 """
@@ -21,15 +21,15 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-DEFAULT_COMPRESSOR = "recent_global"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import strategies  # noqa: E402
 
 
 def strategy_label(args: dict) -> str:
     """Cache strategy plus what distinguishes it: prompt compressor, bits, per-layer patterns."""
-    strategies = args.get("cache_strategy") or ["full"]
-    label = "+".join(strategies)
-    compressors = args.get("prompt_compression_strategy") or [DEFAULT_COMPRESSOR]
-    if strategies != ["full"]:
+    label = "+".join(used_strategies(args))
+    compressors = args.get("prompt_compression_strategy") or [strategies.DEFAULT_COMPRESSOR]
+    if not is_baseline(args):
         label += f" (prompt: {'+'.join(compressors)})"
     if args.get("feed_long_prompts"):
         label += " fed"
@@ -41,9 +41,18 @@ def strategy_label(args: dict) -> str:
     return label
 
 
+def used_strategies(args: dict) -> list[str]:
+    return args.get("cache_strategy") or [strategies.DEFAULT_STRATEGY]
+
+
+def is_baseline(args: dict) -> bool:
+    """Every layer keeps every token: the reference the other strategies are drawn against."""
+    return all(name in strategies.baseline_strategies() for name in used_strategies(args))
+
+
 def budget(args: dict) -> float:
-    """The x coordinate: the (mean) `--max_cache_length`; the full cache is 1.0."""
-    if (args.get("cache_strategy") or ["full"]) == ["full"]:
+    """The x coordinate: the (mean) `--max_cache_length`; the baseline is 1.0."""
+    if is_baseline(args):
         return 1.0
     lengths = [float(v) for v in args.get("max_cache_length") or [1.0]]
     return sum(lengths) / len(lengths)
@@ -67,6 +76,7 @@ def load_results(results_dir: Path) -> list[dict]:
                     "folder": folder.name,
                     "task": task,
                     "strategy": strategy_label(args),
+                    "baseline": is_baseline(args),
                     "budget": budget(args),
                     "metrics": result.get("metrics", {}),
                     "statistics": result.get("statistics", {}),
@@ -87,10 +97,13 @@ def draw(records: list[dict], task: str, value, ylabel: str, path: Path) -> None
     import matplotlib.pyplot as plt
 
     lines = defaultdict(list)
+    baselines = set()
     for r in records:
         y = value(r)
         if y is not None:
             lines[r["strategy"]].append((r["budget"], y))
+            if r["baseline"]:
+                baselines.add(r["strategy"])
     if not lines:
         return
     budgets = sorted({x for points in lines.values() for x, _ in points})
@@ -99,8 +112,8 @@ def draw(records: list[dict], task: str, value, ylabel: str, path: Path) -> None
         points.sort()
         xs, ys = zip(*points)
         color = f"C{i % 10}"
-        if len(points) == 1 and len(budgets) > 1:
-            ax.axhline(ys[0], color=color, linestyle="--", linewidth=1.2, label=f"{strategy} (budget {xs[0]:g})")
+        if strategy in baselines and len(points) == 1:
+            ax.axhline(ys[0], color=color, linestyle="--", linewidth=1.2, label=f"{strategy} (baseline)")
             ax.plot(xs, ys, "o", color=color)
         else:
             ax.plot(xs, ys, "o-", color=color, label=strategy)

@@ -3,7 +3,7 @@
 # shellcheck source-path=SCRIPTDIR
 # Attention loss: each debug_<strategy> attends with the full cache while simulating <strategy> at
 # each budget, and records the attention mass that falls on tokens <strategy> would have evicted
-# (SPEC section 4). Outputs are the full cache's; the statistics are the simulated cache's.
+# Outputs are the full cache's; the statistics are the simulated cache's.
 #
 #   bash scripts/sweep_attention_loss.sh
 #   STRATEGIES="recent_global heavy_hitter" BUDGETS="0.25" TASKS=rulerniah bash scripts/sweep_attention_loss.sh
@@ -13,22 +13,13 @@
 # shellcheck source=sweep_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/sweep_lib.sh"
 SWEEP_EXTRA=("$@")
-STRATEGIES=${STRATEGIES:-"recent_global random l2 heavy_hitter keep_it_odd"}
+STRATEGIES=${STRATEGIES:-$(registry compressing)}
 BUDGETS=${BUDGETS:-"0.1 0.25 0.5"}
 TASKS=${TASKS:-"rulerniah rulervt"}
 
-# The prompt compressor of each simulated strategy: head-specific caches take SnapKV / L2.
-compressor_for() {
-    case "$1" in
-        heavy_hitter) echo heavy_hitter ;;
-        l2) echo l2 ;;
-        *) echo recent_global ;;
-    esac
-}
-
 for strategy in $STRATEGIES; do
     for budget in $BUDGETS; do
-        run_eval --cache_strategy "debug_$strategy" --prompt_compression_strategy "$(compressor_for "$strategy")" \
+        run_eval --cache_strategy "debug_$strategy" --prompt_compression_strategy "$(registry compressor "$strategy")" \
             --max_cache_length "$budget" --global_tokens 4 --recent_window 10 --tasks $TASKS
     done
 done

@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Sourced by the sweep_*.sh scripts: runs (or, with DRY_RUN=1, prints) one eval.py command per call.
 #
-# Every sweep reads these environment variables (defaults in each script):
+# Every sweep reads these environment variables (defaults in each script; a list of strategies
+# defaults to every compressing strategy in the registry):
 #   TASKS        eval.py tasks, all run by one command per configuration (one model load)
 #   BUDGETS      --max_cache_length values
 #   NUM_SAMPLES  samples per task (empty: all)
@@ -37,6 +38,11 @@ run_eval() {
         echo "!! failed (exit $?): ${cmd[*]}" >&2
         SWEEP_FAILED=$((SWEEP_FAILED + 1))
     }
+}
+
+# registry ARGS...: asks the strategy registry (python -m strategies), e.g. `registry compressing`.
+registry() {
+    (cd "$SWEEP_ROOT" && "$PYTHON" -m strategies "$@")
 }
 
 # sweep_done: exit 1 when any run failed.

@@ -13,17 +13,18 @@
 # shellcheck source=sweep_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/sweep_lib.sh"
 SWEEP_EXTRA=("$@")
-LOCAL_STRATEGIES=${LOCAL_STRATEGIES:-"recent_global heavy_hitter"}
+LOCAL_STRATEGIES=${LOCAL_STRATEGIES:-$(registry compressing)}
+GLOBAL_STRATEGY=$(registry baseline)
+GLOBAL_COMPRESSOR=$(registry compressor "$GLOBAL_STRATEGY")
 LAYOUTS=${LAYOUTS:-"repeat tile"}
 BUDGETS=${BUDGETS:-"0.1 0.25 0.5"}
 TASKS=${TASKS:-"rulerniah rulervt rulercwe rulerqa"}
 
 for local in $LOCAL_STRATEGIES; do
-    compressor=recent_global
-    [[ "$local" == heavy_hitter ]] && compressor=heavy_hitter
+    compressor=$(registry compressor "$local")
     for layout in $LAYOUTS; do
         for budget in $BUDGETS; do
-            run_eval --cache_strategy full "$local" --prompt_compression_strategy full "$compressor" \
+            run_eval --cache_strategy "$GLOBAL_STRATEGY" "$local" --prompt_compression_strategy "$GLOBAL_COMPRESSOR" "$compressor" \
                 --cache_strategy_pattern "$layout" --max_cache_length 1.0 "$budget" --cache_length_pattern "$layout" \
                 --global_tokens 4 --recent_window 10 --tasks $TASKS
         done

@@ -14,11 +14,11 @@
 # shellcheck source=sweep_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/sweep_lib.sh"
 SWEEP_EXTRA=("$@")
-STRATEGIES=${STRATEGIES:-"recent_global random l2 heavy_hitter keep_it_odd"}
+STRATEGIES=${STRATEGIES:-$(registry compressing)}
 BUDGETS=${BUDGETS:-"0.1 0.25 0.5"}
 TASKS=${TASKS:-"rulerniah rulervt rulercwe rulerqa"}
 
-run_eval --cache_config full --tasks $TASKS
+run_eval --cache_config "$(registry baseline)" --tasks $TASKS
 for strategy in $STRATEGIES; do
     for budget in $BUDGETS; do
         run_eval --cache_config "$strategy" --max_cache_length "$budget" --tasks $TASKS

@@ -12,7 +12,7 @@
 # shellcheck source=sweep_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/sweep_lib.sh"
 SWEEP_EXTRA=("$@")
-STRATEGIES=${STRATEGIES:-"heavy_hitter"}
+STRATEGIES=${STRATEGIES:-$(registry compressing)}
 PATTERNS=${PATTERNS:-"tile pyramid funnel"}
 BUDGETS=${BUDGETS:-"0.1 0.25 0.5"}
 TASKS=${TASKS:-"rulerniah rulervt rulercwe rulerqa"}

@@ -1,9 +1,9 @@
-"""Eviction semantics of every cache strategy on tiny hand-made tensors, exact (SPEC section 4).
+"""Eviction semantics of every cache strategy on tiny hand-made tensors, exact.
 
 Caches are driven the way model.Attention drives them: `update_kv(input_pos, k, v)` for one decode
 token (then `update_state(..., attn)` with hand-made attention [B, H, G, 1, L] for caches that need
 it), or `update_kv(..., is_prefill=True, query=q)` for a prompt. Expected contents are written out by
-hand, or (for long random runs) computed by a plain-Python reference of the rule in the SPEC.
+hand, or (for long random runs) computed by a plain-Python reference of the eviction rule.
 """
 
 import math
@@ -11,31 +11,23 @@ import math
 import pytest
 import torch
 
-import cache as cache_module
-from cache import (
-    HeavyHitterCache,
-    check_cache_lengths,
-    check_compatibility,
-    default_cache_kwargs,
-    get_cache_constructor,
-    keep_top_fraction,
-    layer_cache_lengths,
-    layer_strategies,
-    resolve_recent_window,
-)
+import strategies
+import strategies.heavy_hitter as heavy_hitter_module
+from cache import layer_cache_lengths, layer_strategies, resolve_recent_window
+from cache_args import check_cache_lengths, check_compatibility, default_cache_kwargs
 from model import attention_with_probs
-from prompt_compression import get_prompt_compressor
 from quantization_utils import QuantizedTensor, dequantize
+from strategies.heavy_hitter import HeavyHitterCache, keep_top_fraction
 
 HEAD_DIM = 8
-SCORED = ["random", "l2", "heavy_hitter", "keep_it_odd"]
+EVICTING = strategies.compressing_strategies()  # every registered strategy that evicts
 
 
 def make_cache(name, length=8, heads=2, global_tokens=1, recent_window=0, dtype=torch.float32, **kwargs):
     compressor = kwargs.pop("compressor", "recent_global")
     recent_for_compressor = resolve_recent_window(recent_window, length, global_tokens)
-    kwargs["prompt_compressor"] = get_prompt_compressor(compressor)(global_tokens, recent_for_compressor)
-    return get_cache_constructor(name)(
+    kwargs["prompt_compressor"] = strategies.compressor_class(compressor)(global_tokens, recent_for_compressor)
+    return strategies.strategy_class(name)(
         1, heads, HEAD_DIM, length, dtype, global_tokens=global_tokens, recent_window=recent_window, **kwargs
     )
 
@@ -189,7 +181,7 @@ def test_heavy_hitter_attn_top_k_changes_the_choice():
 
 
 def reference_heavy_hitter(steps, length, global_tokens, recent_window, window, thresholding):
-    """Plain-Python H2O of SPEC section 4: positions held after decoding len(steps) tokens.
+    """Plain-Python H2O: positions held after decoding len(steps) tokens.
 
     `steps[t]` is a function (held positions by slot) -> attention per slot, called after token t
     is inserted. Returns the slot contents after every step.
@@ -330,12 +322,12 @@ def test_keep_it_odd_evicts_even_positions_first():
 
 
 # -- invariants of every scored strategy ------------------------------------------------------------
-@pytest.mark.parametrize("name", SCORED + ["recent_global"])
+@pytest.mark.parametrize("name", EVICTING)
 def test_global_and_recent_never_evicted(name):
     torch.manual_seed(0)
     global_tokens, recent_window = 2, 3
     cache = make_cache(name, length=8, global_tokens=global_tokens, recent_window=recent_window)
-    recent = 0 if name == "recent_global" else recent_window
+    recent = cache.recent_window  # recent_global evicts by position and needs no protected window
     g = torch.Generator().manual_seed(1)
     for pos in range(40):
         k, v = random_kv(1, seed=pos)
@@ -346,7 +338,7 @@ def test_global_and_recent_never_evicted(name):
             assert must <= held(cache, head), (pos, head, held(cache, head))
 
 
-@pytest.mark.parametrize("name", SCORED + ["recent_global", "full"])
+@pytest.mark.parametrize("name", [n for n, c in strategies.STRATEGIES.items() if c.compiles])
 def test_empty_slots_fill_first_and_reset_empties(name):
     cache = make_cache(name, length=8, global_tokens=1, recent_window=0)
     prefill(cache, 3)
@@ -364,12 +356,9 @@ def test_empty_slots_fill_first_and_reset_empties(name):
 
 
 def test_head_specific_flags():
-    assert {n for n in cache_module.CACHE_STRATEGIES if get_cache_constructor(n).head_specific} >= {
-        "l2",
-        "heavy_hitter",
-    }
-    for name in ("full", "recent_global", "random", "keep_it_odd"):
-        assert not get_cache_constructor(name).head_specific
+    specific = {n for n, c in strategies.STRATEGIES.items() if c.head_specific}
+    assert specific >= {"l2", "heavy_hitter", "hybrid"}
+    assert not specific & {"full", "recent_global", "random", "keep_it_odd"}
 
 
 # -- prefill state ------------------------------------------------------------------------------
@@ -393,18 +382,18 @@ def test_prompt_attention_matches_brute_force_and_sdpa(thresholding, monkeypatch
     q, k, v = (torch.randn(1, h, 13, HEAD_DIM, generator=g) for h in (4, 2, 2))
     expected = brute_force_attention_received(q, k, thresholding)
     expected_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    results = [cache_module.prompt_attention(q, k, v, thresholding)]
+    results = [heavy_hitter_module.prompt_attention(q, k, v, thresholding)]
     for chunk_rows in (13, 3):
-        monkeypatch.setattr(cache_module, "PREFILL_CHUNK_ELEMENTS", 4 * 13 * chunk_rows)
-        results.append(cache_module.chunked_prompt_attention(q, k, v, thresholding))
+        monkeypatch.setattr(heavy_hitter_module, "PREFILL_CHUNK_ELEMENTS", 4 * 13 * chunk_rows)
+        results.append(heavy_hitter_module.chunked_prompt_attention(q, k, v, thresholding))
     for out, received in results:
         torch.testing.assert_close(received, expected)
         torch.testing.assert_close(out, expected_out)
     # kept keys only (each KV head its own, in position order), in one chunk and in chunks of 2 queries
     keep = torch.tensor([[[0, 3, 4, 9, 12], [1, 2, 7, 8, 12]]])
     for chunk_rows in (13, 2):
-        monkeypatch.setattr(cache_module, "PREFILL_CHUNK_ELEMENTS", 4 * 5 * chunk_rows)
-        out, received = cache_module.prompt_attention(q, k, v, thresholding, keep)
+        monkeypatch.setattr(heavy_hitter_module, "PREFILL_CHUNK_ELEMENTS", 4 * 5 * chunk_rows)
+        out, received = heavy_hitter_module.prompt_attention(q, k, v, thresholding, keep)
         torch.testing.assert_close(received, expected.gather(2, keep))
         torch.testing.assert_close(out, expected_out)
 
@@ -415,10 +404,10 @@ def test_prompt_attention_statistics_keep_their_precision_in_bfloat16():
     q, k, v = (torch.randn(1, h, 300, HEAD_DIM, generator=g) for h in (4, 2, 2))
     q = q * 3  # peaked attention: the log-sum-exp is far from 0
     expected = brute_force_attention_received(q.bfloat16().double(), k.bfloat16().double(), False).float()
-    received = cache_module.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())[1]
+    received = heavy_hitter_module.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())[1]
     torch.testing.assert_close(received, expected, rtol=1e-3, atol=0)
     keep = torch.arange(0, 300, 7).view(1, 1, -1).expand(1, 2, -1)
-    received = cache_module.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), keep=keep)[1]
+    received = heavy_hitter_module.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), keep=keep)[1]
     torch.testing.assert_close(received, expected.gather(2, keep), rtol=1e-3, atol=0)
 
 
@@ -442,7 +431,7 @@ def test_heavy_hitter_state_after_compressed_prefill(compressor):
     """Whatever the compressor, the cache holds the kept tokens with their prefill attention."""
     cache = make_cache("heavy_hitter", length=8, global_tokens=1, recent_window=2, compressor=compressor)
     q, k, v = prefill(cache, 20, n_query_heads=4)
-    received = cache_module.prompt_attention(q, k, v)[1]
+    received = heavy_hitter_module.prompt_attention(q, k, v)[1]
     keep = cache.pos[0].long()
     assert (keep.diff(dim=-1) > 0).all() and {0, 18, 19} <= held(cache, 0)
     torch.testing.assert_close(cache.attn_history[0, :, :, 0], received[0].gather(1, keep))
@@ -463,7 +452,7 @@ def test_heavy_hitter_prefill_then_decode_scores_prompt_tokens_by_prefill_attent
     """After a fitting prefill, the first eviction follows the prompt's attention received."""
     cache = make_cache("heavy_hitter", length=6, heads=2, global_tokens=1, recent_window=0, compressor="recent_global")
     q, k, v = prefill(cache, 6, n_query_heads=4)
-    received = cache_module.prompt_attention(q, k, v)[1][0]
+    received = heavy_hitter_module.prompt_attention(q, k, v)[1][0]
     # decode position 6 with attention 0 everywhere except the new token: scores stay prefill means
     decode(cache, 6, attn=torch.tensor([0.0] * 6))
     for head in range(2):

@@ -77,7 +77,17 @@ CACHE_CASES = {
         ["--cache_strategy", "recent_global", "--prompt_compression_strategy", "l2"],
         "keeps different tokens per head",
     ),
-    "cache_bits_3": (["--cache_bits", "3"], "--cache_bits 3 is not supported"),
+    "cache_bits_3": (["--cache_bits", "3"], "--cache_bits 3 is not valid; choose from: 2, 4, 8"),
+    "debug_full_below_one": (["--cache_strategy", "debug_full", "--max_cache_length", "0.5"], "spans the whole"),
+    "debug_hybrid_below_one": (["--cache_strategy", "debug_hybrid", "--max_cache_length", "0.5"], "spans the whole"),
+    "negative_global_tokens": (["--global_tokens", "-1"], "--global_tokens -1 is too small; give at least 0"),
+    "negative_recent_window": (["--recent_window", "-3"], "--recent_window -3.0 is too small; give at least 0"),
+    "history_window_zero": (["--history_window_size", "0"], "--history_window_size 0 is too small; give at least 1"),
+    "recovery_above_one": (["--min_recovery_frac", "1.5"], "--min_recovery_frac 1.5 is too large; give at most 1"),
+    "attn_top_k_zero": (["--attn_top_k", "0"], "--attn_top_k 0.0 is too small; give more than 0"),
+    "fractional_token_count": (["--max_cache_length", "1.5"], "--max_cache_length 1.5 is above 1, so a token count"),
+    "non_positive_length": (["--max_cache_length", "0"], "--max_cache_length 0.0 is too small; give more than 0"),
+    "unknown_hybrid_policy": (["--cache_strategy", "hybrid", "--hybrid_strategies", "nope"], "unknown hybrid policy"),
     "lengths_not_dividing_layers": (
         ["--cache_strategy", "l2", "--max_cache_length", "0.5", "0.5", "0.5", "0.5"],
         "do not divide the 30 layers",
@@ -157,8 +167,12 @@ INPUT_CASES = {
     "prompt_longer_than_context": (["--max_new_tokens", "9000"], "exceeds the model's context of 8192"),
     "device": (["--device", "nonsense"], "device 'nonsense'"),
     "dtype": (["--dtype", "nonsense"], "unknown dtype 'nonsense'"),
-    "max_new_tokens_zero": (["--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
+    "max_new_tokens_zero": (["--max_new_tokens", "0"], "--max_new_tokens 0 is too small; give at least 1"),
+    "negative_temperature": (["--temperature", "-1"], "--temperature -1.0 is too small; give at least 0"),
+    "negative_top_k": (["--top_k", "-2"], "--top_k -2 is too small; give at least 1"),
     "unwritable_profile": (["--profile", "/proc/no/trace.json"], "cannot write --profile /proc/no/trace.json"),
+    "unwritable_csv": (["--csv", "/proc/no/runs.csv"], "cannot write --csv /proc/no/runs.csv"),
+    "csv_is_a_folder": (["--csv", "/tmp"], "--csv /tmp is a folder"),
 }
 
 

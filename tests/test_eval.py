@@ -1,7 +1,7 @@
 """Tests of eval.py, score_continuation (generation.py) and scripts/plot_results.py.
 
 Fast tests use a tiny random model or stop before any model loads; `slow` tests run the embedded
-SmolLM2-135M-Instruct. The sweep test prints the table that the issue records.
+SmolLM2-135M-Instruct. The sweep test prints a table of its statistics per strategy and budget.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from helpers import tiny_transformer
 
 import eval as eval_cli
-from cache import default_cache_kwargs
+from cache_args import default_cache_kwargs
 from generation import load_model, score_continuation, setup_caches
 from tasks import pick_option
 from tokenizer import get_tokenizer

@@ -1,4 +1,4 @@
-"""FastGen hybrid caches and debug_<strategy> attention-loss analysis (issue 4)."""
+"""FastGen hybrid caches and debug_<strategy> attention-loss analysis."""
 
 import subprocess
 import sys
@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import cache as cache_module
-from cache import HybridCache, check_compatibility, default_cache_kwargs, observation_attention, parse_hybrid_policy
+import strategies.hybrid as hybrid_module
+from cache_args import add_tokenizer_kwargs, check_compatibility, default_cache_kwargs
 from generation import generate
+from strategies.hybrid import HybridCache, observation_attention, parse_hybrid_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECIAL, PUNC, WORD = 0, 1, 2
@@ -18,7 +19,7 @@ SPECIAL, PUNC, WORD = 0, 1, 2
 def profiled_cache(attn: torch.Tensor, token_ids: torch.Tensor, min_recovery_frac: float = 0.9) -> HybridCache:
     """A hybrid cache prefilled with a prompt of `token_ids` whose observed attention is the hand-made [1, H, W, T]."""
     n_heads, seqlen = attn.shape[1], attn.shape[-1]
-    cache_module.observation_attention = lambda query, k, window: attn
+    hybrid_module.observation_attention = lambda query, k, window: attn
     cache = HybridCache(1, n_heads, 8, 2 * seqlen, torch.float32, global_tokens=1,
                         min_recovery_frac=min_recovery_frac, special_ids=[SPECIAL], punctuation_ids=[PUNC])  # fmt: skip
     k = torch.randn(1, n_heads, seqlen, 8)
@@ -26,7 +27,7 @@ def profiled_cache(attn: torch.Tensor, token_ids: torch.Tensor, min_recovery_fra
     try:
         cache.update_kv(torch.arange(seqlen), k, k, is_prefill=True, query=query, token_ids=token_ids.view(1, -1))
     finally:
-        cache_module.observation_attention = observation_attention
+        hybrid_module.observation_attention = observation_attention
     return cache
 
 
@@ -106,9 +107,7 @@ def chat_ids(tokenizer, prompt_file: str) -> torch.Tensor:
 
 
 def run(model, tokenizer, ids, max_new_tokens, **cache_kwargs):
-    from cache import add_token_ids
-
-    kwargs = add_token_ids(default_cache_kwargs(**cache_kwargs), tokenizer)
+    kwargs = add_tokenizer_kwargs(default_cache_kwargs(**cache_kwargs), tokenizer)
     check_compatibility(kwargs, model.config.n_layer)
     torch.manual_seed(0)
     return generate(model, ids, max_new_tokens, kwargs)
@@ -169,3 +168,31 @@ def test_attention_loss_plot_has_one_labelled_line_per_strategy(tmp_path):
     assert (
         "recent_global: mean attention loss" in result.stdout and "heavy_hitter: mean attention loss" in result.stdout
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--cache_strategy", "debug_heavy_hitter", "--prompt_compression_strategy", "heavy_hitter",
+             "--max_cache_length", "0.25", "--prompt", "lighthouse_summary.txt"],
+            [r"^attention loss: 0\.\d{4}$", r"^attention loss per layer: (0\.\d{4} ){29}0\.\d{4}$"],
+        ),
+        (
+            ["--cache_strategy", "hybrid", "--min_recovery_frac", "0.7", "--prompt", "lighthouse_summary.txt"],
+            [r"^policy share: special \d\.\d{4}, special_punc \d\.\d{4}, .*full \d\.\d{4}$"],
+        ),
+    ],
+    ids=["debug_heavy_hitter", "hybrid"],
+)  # fmt: skip
+def test_generate_prints_every_statistic_the_caches_report(argv, expected, capsys):
+    """What a strategy reports beyond compression and memory prints by name, with no edit to generate.py."""
+    import re
+
+    import generate
+
+    generate.main([*argv, "--max_new_tokens", "6", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    for pattern in expected:
+        assert re.search(pattern, out, re.MULTILINE), f"{pattern!r} not in:\n{out}"

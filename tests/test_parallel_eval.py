@@ -240,9 +240,9 @@ def test_sweep_scripts_print_valid_eval_commands(script):
     import shlex
 
     import eval as eval_py
-    from cache import check_compatibility, parse_args_with_cache_config
+    from cache_args import check_compatibility, parse_args_with_cache_config
 
-    env = {**os.environ, "DRY_RUN": "1", "NUM_SAMPLES": "3", "BUDGETS": "0.1 0.25"}
+    env = {**os.environ, "DRY_RUN": "1", "NUM_SAMPLES": "3", "BUDGETS": "0.1 0.25", "PYTHON": sys.executable}
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / script), "--dtype", "float32"], env=env, capture_output=True, text=True
     )

@@ -26,7 +26,7 @@ from transformers import (
 
 import model as model_module
 import one_token
-from cache import default_cache_kwargs
+from cache_args import default_cache_kwargs
 from generation import generate as our_generate
 from generation import load_model
 from model import Linear, ModelArgs

@@ -1,4 +1,4 @@
-"""Prompt compressors (SPEC section 5): exactly `budget` tokens, in position order, global and recent
+"""Prompt compressors: exactly `budget` tokens, in position order, global and recent
 always kept, and the tokens each rule names."""
 
 import math
@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from prompt_compression import PROMPT_COMPRESSORS, SNAPKV_POOLING_KERNEL, get_prompt_compressor
+import strategies
+from strategies.heavy_hitter import SNAPKV_POOLING_KERNEL
 
 HEAD_DIM = 16
 N_KV, N_HEAD = 2, 4
@@ -22,11 +23,11 @@ def inputs(seqlen=40, seed=0):
 
 def compress(name, budget, global_tokens=2, recent_window=4, seqlen=40, seed=0, data=None):
     input_pos, k, v, q = data or inputs(seqlen, seed)
-    keep = get_prompt_compressor(name)(global_tokens, recent_window)(input_pos, k, v, q, budget)
+    keep = strategies.compressor_class(name)(global_tokens, recent_window)(input_pos, k, v, q, budget)
     return keep.expand(1, N_KV, -1)
 
 
-@pytest.mark.parametrize("name", [n for n in PROMPT_COMPRESSORS if n != "full"])
+@pytest.mark.parametrize("name", [n for n, c in strategies.compressors().items() if c.compresses])
 @pytest.mark.parametrize("budget", [7, 16, 39])
 def test_budget_order_global_and_recent(name, budget):
     torch.manual_seed(0)
@@ -112,7 +113,7 @@ def test_snapkv_is_head_specific():
 
 def test_snapkv_scores_are_pooled_window_attention():
     input_pos, k, v, q = inputs(seqlen=24)
-    compressor = get_prompt_compressor("heavy_hitter")(global_tokens=1, recent_window=5)
+    compressor = strategies.compressor_class("heavy_hitter")(global_tokens=1, recent_window=5)
     score = compressor.score(input_pos, k, v, q)
     # brute force: softmax of each of the last 5 queries over the keys it can see, averaged over the
     # window and the query heads of each KV head, then a width-7 average pool (zero padded)
@@ -136,5 +137,5 @@ def test_random_is_seeded_and_head_constant():
 
 
 def test_head_specific_flags():
-    specific = {name for name, cls in PROMPT_COMPRESSORS.items() if cls.head_specific}
+    specific = {name for name, cls in strategies.compressors().items() if cls.head_specific}
     assert specific == {"l2", "heavy_hitter"}

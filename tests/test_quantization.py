@@ -97,7 +97,7 @@ def test_error_decreases_with_bits(dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_matches_eager(device):
-    # One bit width keeps the compile to seconds; widths change only Python constants, not the ops.
+    # One bit width keeps the compile short; widths change only Python constants, not the ops.
     bits = 4
 
     def round_trip(x):

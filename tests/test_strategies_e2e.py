@@ -1,9 +1,9 @@
-"""Cache strategies end to end (SPEC sections 4, 6, 7).
+"""Cache strategies end to end: eviction, generation and statistics.
 
 * slow, on the embedded SmolLM2-135M-Instruct: every strategy at --max_cache_length 1.0 reproduces the
   full-cache greedy output (bfloat16, the CLI default, is exact here); statistics of a ~1,500-token
-  needle-in-a-haystack run at a 25% budget equal SPEC section 7 worked by hand; an 8-bit cache gives
-  the unquantized greedy output (float32: in bfloat16 the two drift apart after ~16 tokens) and a
+  needle-in-a-haystack run at a 25% budget equal the statistics worked by hand; an 8-bit cache gives
+  the unquantized greedy output (float32: in bfloat16 the two drift apart) and a
   4-bit cache's memory counts packed bytes; compiled bfloat16 decode gives eager's logits bit for bit.
 * fast, on a tiny random model: generation with compressed caches of every strategy runs and keeps
   its budget; `--compile` gives the eager tokens (float32, and bfloat16 with a full cache).
@@ -19,7 +19,7 @@ from helpers import packed_copies, tiny_prompt, tiny_transformer
 
 import generate as generate_cli
 import generation
-from cache import default_cache_kwargs
+from cache_args import default_cache_kwargs
 from generation import DEFAULT_CHECKPOINT, load_model
 from model import Linear, RMSNorm
 from one_token import ONEDNN_PACKS_BFLOAT16
@@ -92,7 +92,7 @@ def test_every_strategy_at_full_length_matches_full_cache(
 
 # -- statistics on the needle-in-a-haystack prompt ----------------------------------------------------
 def expected_layer_bytes(strategy, cache_len, n_kv, head_dim, elem, bits=None, history_window_size=1):
-    """Bytes of every buffer of one layer's cache, from shapes and dtypes (SPEC section 7)."""
+    """Bytes of every buffer of one layer's cache, from shapes and dtypes."""
     slots = n_kv * cache_len
     if bits is None:
         kv = 2 * slots * head_dim * elem  # k_cache, v_cache
@@ -231,10 +231,10 @@ def test_tiny_model_compressed_generation(name, tiny):
     assert stats["compression_ratio_per_layer"] == pytest.approx(expected, rel=1e-12)
 
 
-# Compiling for a new cache configuration takes ~20-80 s on a shared 2-core CPU: a few strategies that
-# cover the distinct decode paths (random scores, attention history + thresholding + ring, 4-bit
-# packed storage with a full layer beside a head-specific one), and a bfloat16 full cache, whose tokens
-# drift from eager's (after 27 tokens here) unless inductor rounds bfloat16 where eager does.
+# Compiling for a new cache configuration is slow on CPU: a few strategies that cover the distinct decode
+# paths (random scores, attention history + thresholding + ring, 4-bit packed storage with a full layer
+# beside a head-specific one), and a bfloat16 full cache, whose tokens drift from eager's unless inductor
+# rounds bfloat16 where eager does.
 COMPILE_CASES = [
     ("random", torch.float32),
     ("heavy_hitter_window4_threshold", torch.float32),
@@ -279,9 +279,9 @@ def test_compile_gives_eager_tokens(name, dtype, tiny):
 @pytest.mark.slow
 def test_compiled_prefill_normalizes_and_projects_a_bfloat16_prompt_exactly_as_eager():
     """At the embedded model's sizes, where the tiny model's are too small to show it. With frozen
-    weights, a bfloat16 prompt projected in float32 (CPUs without bf16 instructions) came out of a
-    prepacked GEMM that differed from eager in ~1 of 8,000 values; a fused RMSNorm summing float32
-    squares in its own order differed in ~1 of 200,000. Either changes greedy tokens."""
+    weights, a bfloat16 prompt projected in float32 (CPUs without bf16 instructions) may go through a
+    prepacked GEMM that rounds unlike eager's, and a fused RMSNorm may sum float32 squares in its own
+    order. Either changes greedy tokens."""
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(49152, 576).to(torch.bfloat16).requires_grad_(False)
     norm = RMSNorm(576).to(torch.bfloat16).requires_grad_(False)
@@ -298,12 +298,12 @@ def test_compiled_prefill_normalizes_and_projects_a_bfloat16_prompt_exactly_as_e
 @pytest.mark.parametrize("cache_args", [{}, {"cache_bits": 4}], ids=["full", "full-4bit"])
 @torch.no_grad()  # as generation runs it: inductor freezes weights only without autograd
 def test_compiled_decode_gives_eager_bfloat16_logits_on_the_embedded_model(cache_args, model_bf16, short_prompt_ids):
-    """Bit for bit, where the tiny model is too small to show a difference: with max-autotune,
-    inductor's micro-GEMM summed the one-token projections in another order than eager's torch.mv;
-    inductor's own softmax, and its reduction for the 4-bit cache's zero-point term, summed in
-    other orders than eager's kernels. Each made bfloat16 benchmark rows' greedy tokens drift. Where
-    the CPU has bfloat16 instructions, load_model packs the projections for oneDNN, and inductor fused
-    the following SiLU or residual add into that product (rounding once, where eager rounds twice)."""
+    """Bit for bit, where the tiny model is too small to show a difference: an autotuned micro-GEMM
+    (max-autotune) would sum the one-token projections in another order than eager's torch.mv, and
+    inductor's own softmax and its reduction for the 4-bit cache's zero-point term in other orders
+    than eager's kernels; each would make bfloat16 greedy tokens drift. Where the CPU has bfloat16
+    instructions, load_model packs the projections for oneDNN, and inductor must not fuse the following
+    SiLU or residual add into that product (rounding once, where eager rounds twice)."""
     packed = packed_copies(model_bf16)
     assert all(packed) == any(packed) and (ONEDNN_PACKS_BFLOAT16 or not any(packed))  # all or none (free memory)
     compiled_steps = fresh_compile_steps(generation.STEPS)

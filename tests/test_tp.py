@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tp
-from cache import default_cache_kwargs
+from cache_args import default_cache_kwargs
 from generation import generate, load_model
 from model import ModelArgs, Transformer, precompute_freqs_cis
 from tokenizer import get_tokenizer
@@ -125,7 +125,7 @@ import json, sys
 import torch
 sys.path.insert(0, {root!r})
 import tp
-from cache import default_cache_kwargs
+from cache_args import default_cache_kwargs
 from generation import generate, load_model
 from tokenizer import get_tokenizer
 

@@ -1,0 +1,104 @@
+"""The strategy registry: every KV-cache strategy, one module each.
+
+Flags, presets' keys, result-folder names, compatibility checks, `debug_<name>`, the sweeps' and the
+benchmark's compressor for each strategy, and the tests' matrix all come from this dict and the
+facts each class declares. Adding a strategy is one module, one line here and a preset.
+"""
+
+from cache import SHARED_PARAMS, KVCache, Param, resolve_recent_window
+from prompt_compression import PromptCompressor
+from strategies.debug import DebugCache
+from strategies.full import FullCache
+from strategies.heavy_hitter import HeavyHitterCache
+from strategies.hybrid import HybridCache
+from strategies.keep_it_odd import KeepItOddCache
+from strategies.l2 import L2Cache
+from strategies.random import RandomCache
+from strategies.recent_global import RecentGlobalCache
+
+STRATEGIES: dict[str, type[KVCache]] = {
+    "full": FullCache,
+    "recent_global": RecentGlobalCache,
+    "random": RandomCache,
+    "l2": L2Cache,
+    "heavy_hitter": HeavyHitterCache,
+    "keep_it_odd": KeepItOddCache,
+    "hybrid": HybridCache,
+}
+DEFAULT_STRATEGY = "full"
+DEFAULT_COMPRESSOR = "recent_global"
+DEBUG_PREFIX = "debug_"
+
+
+def strategy_names(debug: bool = False) -> list[str]:
+    """Registered names, and with `debug` each one's `debug_<name>` too."""
+    return list(STRATEGIES) + ([DEBUG_PREFIX + n for n in STRATEGIES] if debug else [])
+
+
+def strategy_class(name: str) -> type[KVCache]:
+    """The class a name stands for; `debug_<name>` stands for `<name>`'s class (its facts decide)."""
+    base = name.removeprefix(DEBUG_PREFIX)
+    if base not in STRATEGIES:
+        raise ValueError(f"unknown cache strategy '{name}'; choose from: {', '.join(STRATEGIES)} or debug_<name>")
+    return STRATEGIES[base]
+
+
+def compressors() -> dict[str, type[PromptCompressor]]:
+    """Prompt compressors by name: each strategy's own, under the strategy's name."""
+    return {n: c.prompt_compressor_class for n, c in STRATEGIES.items() if c.prompt_compressor_class}
+
+
+def compressor_class(name: str) -> type[PromptCompressor]:
+    found = compressors()
+    if name not in found:
+        raise ValueError(f"unknown prompt compression strategy '{name}'; choose from: {', '.join(found)}")
+    return found[name]
+
+
+def natural_compressor(name: str) -> str:
+    """The prompt compressor that goes with a strategy in sweeps and benchmarks."""
+    return strategy_class(name).natural_compressor or DEFAULT_COMPRESSOR
+
+
+def compatible_compressors(name: str) -> list[str]:
+    """The compressors a strategy takes: head-specific ones only with a head-specific cache."""
+    head_specific = strategy_class(name).head_specific
+    return [n for n, c in compressors().items() if head_specific or not c.head_specific]
+
+
+def compressing_strategies() -> list[str]:
+    """The strategies that compress by evicting: the sweeps' default list."""
+    return [n for n, c in STRATEGIES.items() if not c.spans_sequence]
+
+
+def baseline_strategies() -> list[str]:
+    """The strategies that keep every token: results are compared against these."""
+    return [n for n, c in STRATEGIES.items() if c.baseline]
+
+
+def hyperparameters() -> list[Param]:
+    """Every hyper-parameter a registered strategy reads, shared ones first; one per name."""
+    params = {p.name: p for p in SHARED_PARAMS}
+    for cls in STRATEGIES.values():
+        for p in cls.params:
+            if p.name in params and params[p.name] != p:
+                raise ValueError(f"strategy '{cls.name}' redeclares --{p.name} differently; share one Param")
+            params[p.name] = p
+    return list(params.values())
+
+
+def new_cache(
+    name: str, compressor: str, shape: tuple, length: int, seq_len: int, dtype, cache_kwargs: dict
+) -> KVCache:
+    """One layer's cache of strategy `name` ([batch, KV heads, head dim] `shape`, `length` slots)
+    with prompt compressor `compressor`; `debug_<name>` spans `seq_len` and simulates `<name>`."""
+    kwargs = {p.name: cache_kwargs[p.name] for p in hyperparameters() if p.name in cache_kwargs}
+    kwargs.update(cache_kwargs.get("tokenizer_kwargs") or {})
+    kwargs["prompt_compressor"] = compressor_class(compressor)(
+        global_tokens=kwargs["global_tokens"],
+        recent_window=resolve_recent_window(kwargs["recent_window"], length, kwargs["global_tokens"]),
+    )
+    cache = strategy_class(name)(*shape[:2], shape[2], length, dtype, **kwargs)
+    if name.startswith(DEBUG_PREFIX):
+        return DebugCache(*shape[:2], shape[2], seq_len, dtype, simulated=cache, **kwargs)
+    return cache
