@@ -1,4 +1,6 @@
-"""benchmark.py: the grid plan and the targets arithmetic (fast), and a smoke run on the embedded model (slow).
+"""benchmark.py and its plan (benchmark_plan.py, cache_configs/benchmark/plan.yaml) and report
+(benchmark_report.py): the grid plan and the targets arithmetic (fast), and a smoke run of the
+command on the embedded model (slow).
 
 Speed itself is never asserted here: the targets are ratios printed by one benchmark run.
 """
@@ -9,14 +11,20 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import benchmark
-from benchmark import COLUMNS, Config, compute_targets, plan_configs
+import benchmark_plan
+import benchmark_report
+import strategies
+from benchmark_plan import PLAN, QUICK, Config, compute_targets, plan_configs
+from benchmark_report import COLUMNS
 
-ROOT = benchmark.Path(benchmark.__file__).resolve().parent
+ROOT = Path(benchmark.__file__).resolve().parent
+CONTEXTS = dict(short=512, long=4096, memory=8192)
 
 
 def parsed(*argv: str):
@@ -25,7 +33,7 @@ def parsed(*argv: str):
     return args
 
 
-def test_default_plan_covers_every_issue_target():
+def test_default_plan_covers_every_target():
     args = parsed()
     configs = set(plan_configs(args))
     assert args.compare == "hf" and args.bound and args.target_contexts == [512, 4096, 8192] and args.rounds == 2
@@ -70,7 +78,58 @@ def test_quick_preset_and_explicit_flags():
     args = parsed("--quick", "--strategies", "full", "--context_lengths", "48")
     configs = plan_configs(args)
     assert configs == [Config("ours", "full", 1.0, 48, "float32", "eager", None)]
-    assert args.target_contexts == [48, 48, 48] and args.decode_steps == benchmark.QUICK["decode_steps"]
+    assert args.target_contexts == [48, 48, 48] and args.decode_steps == QUICK["decode_steps"]
+    assert not args.bound and args.compare == "none" and args.rounds == 1
+
+
+def test_every_target_of_the_plan_has_rows_in_the_default_plan():
+    """Rows for every configuration of the default plan (and HF rows at its contexts) give each
+    target of the plan file at least one line."""
+    configs = plan_configs(parsed())
+    hf = {(c.context, c.dtype) for c in configs}
+    rows = [row(**{**vars(c), "compressor": c.compressor}) for c in configs]
+    rows += [row(impl="hf", strategy="dynamic", context=ctx, dtype=dtype) for ctx, dtype in hf]
+    for r in rows:
+        r.update(frac_of_bound=0.5, paired_speedup=1.5 if r["mode"] == "compiled" else None)
+        r["tokens_sha"] = "b" if r["mode"] == "compiled" and r["dtype"] != "float32" else "a"  # a follow-up line too
+    lines = compute_targets(rows, CONTEXTS)
+    for spec in PLAN["performance"]["targets"]:
+        prefix = spec["what"].split("{")[0]
+        assert any(t["target"] == str(spec["id"]) and t["what"].startswith(prefix) for t in lines), spec["what"]
+
+
+def test_the_plan_file_names_registered_strategies_and_the_code_names_none():
+    named = {s for g in PLAN["performance"]["rows"] for s in g["strategies"]} | set(QUICK["strategies"])
+    for spec in PLAN["performance"]["targets"]:
+        for wanted in (spec["rows"], spec.get("against", {})):
+            value = wanted.get("strategy", [])
+            named |= set(value if isinstance(value, list) else [value])
+    assert named and named <= set(strategies.STRATEGIES)
+    for module in (benchmark, benchmark_plan, benchmark_report):
+        source = Path(module.__file__).read_text()
+        assert not [name for name in strategies.STRATEGIES if f'"{name}"' in source], module.__name__
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(at_most=1.0), "exactly one of at_least, at_most"),
+        (dict(typo=1), "unknown keys typo"),
+        (dict(value="decode_tok_s"), "exactly one of ratio, value, equal"),
+        (dict(judge="sometimes"), "judge must be one of"),
+        (dict(rows=dict(context="medium")), "context 'medium'"),
+        (dict(after_failed="nothing"), "names no earlier target"),
+    ],
+)
+def test_a_mistake_in_the_plan_file_is_reported_with_its_target(change, message):
+    spec = dict(id=9, what="x", rows={}, against={}, ratio="decode_tok_s", at_least=1.0)
+    with pytest.raises(ValueError, match=message):
+        benchmark_plan.check_target({**spec, **change}, CONTEXTS, set())
+
+
+def test_an_empty_grid_stops_before_measuring(capsys):
+    with pytest.raises(SystemExit, match="the grid is empty"):
+        benchmark.main(["--strategies", "l2", "--budgets", "1.0", "--device", "cpu"])
 
 
 def row(**kw) -> dict:
@@ -131,7 +190,7 @@ def test_targets_are_ratios_of_this_runs_rows():
         row(strategy="recent_global", budget=0.1, context=4096, error="RuntimeError: boom"),
         row(dtype="float32", tokens_sha="b"),
     ]
-    targets = by_what(compute_targets(rows, 512, 4096, 8192))
+    targets = by_what(compute_targets(rows, CONTEXTS))
     # against HF and the bound, a compiled row is judged and the eager one beside it is information
     t = targets["decode full @512 bfloat16 eager: ours/HF"]
     assert t["value"] == pytest.approx(3.0) and t["passed"] is None
@@ -150,15 +209,13 @@ def test_targets_are_ratios_of_this_runs_rows():
     compiled = targets["decode compiled / eager rows, full 1 @512 bfloat16"]
     assert compiled["value"] == pytest.approx(20 / 12) and compiled["passed"]
     # a compiled row with steps alternated against eager is judged by that ratio; the rows' ratio is information
-    alternated = by_what(
-        compute_targets([*rows, row(context=4096, mode="compiled", paired_speedup=1.2)], 512, 4096, 8192)
-    )
+    alternated = by_what(compute_targets([*rows, row(context=4096, mode="compiled", paired_speedup=1.2)], CONTEXTS))
     assert alternated["decode compiled / eager, steps alternated, full 1 @4096 bfloat16"]["passed"] is False
     assert alternated["decode compiled / eager rows, full 1 @4096 bfloat16"]["passed"] is None
     assert not targets["greedy tokens compiled == eager, full 1 @512 bfloat16"]["passed"]
     # the compiled bfloat16 tokens equal float32's: shown as information (rounding order, not a bug)
     assert targets["greedy tokens compiled full 1 @512 bfloat16 == eager float32"]["passed"] is None
-    text = benchmark.format_targets(list(targets.values()))
+    text = benchmark_report.format_targets(list(targets.values()))
     assert "[PASS]" in text and "[FAIL]" in text and "[info]" in text
     judged = [t for t in targets.values() if t["passed"] is not None]
     assert f"{sum(t['passed'] for t in judged)}/{len(judged)} passed" in text
@@ -181,14 +238,23 @@ def test_alternated_medians_calls_the_two_in_turn_and_returns_each_ones_median()
 
 def test_table_and_csv(tmp_path):
     rows = [row(prefill_s=1.0, compile_s=None), row(strategy="l2", budget=0.1, error="ValueError: x")]
-    table = benchmark.format_table(rows)
+    table = benchmark_report.format_table(rows)
     assert "decode tok/s" in table and "error" in table.splitlines()[-1]
-    assert benchmark.format_table(rows, markdown=True).startswith("| impl |")
+    assert benchmark_report.format_table(rows, markdown=True).startswith("| impl |")
     path = tmp_path / "out.csv"
-    benchmark.write_csv(path, rows)
+    benchmark_report.write_csv(path, rows)
     with path.open() as f:
         read = list(csv.DictReader(f))
     assert list(read[0]) == COLUMNS and read[1]["error"] == "ValueError: x"
+
+
+def test_help_describes_the_presets_from_the_plan_file():
+    cmd = [sys.executable, str(ROOT / "benchmark.py"), "--plan", "targets", "--help"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = " ".join(result.stdout.split())
+    assert "cache_configs/benchmark/plan.yaml" in text and "--target_contexts SHORT LONG MEMORY" in text
+    assert f"smoke preset: {' + '.join(QUICK['strategies'])}" in text
 
 
 @pytest.mark.slow
@@ -202,7 +268,12 @@ def test_quick_run_writes_a_csv_of_positive_measurements(smollm2_checkpoint, tmp
     ]  # fmt: skip
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "targets" in result.stdout and "prefill tok/s" in result.stdout
+    out_lines = result.stdout.splitlines()
+    assert any(line.split()[:3] == ["impl", "strategy", "budget"] for line in out_lines)  # the table
+    assert "performance targets (ratios within this run):" in out_lines
+    # a quick run's targets all refer to its one context: here the fraction of the bound
+    assert any(line.startswith(("  [PASS] 1. decode full @48 float32 eager: fraction of bound", "  [FAIL] 1. decode full @48 float32 eager: fraction of bound")) for line in out_lines)  # fmt: skip
+    assert any(line.endswith("passed") for line in out_lines)
     with out.open() as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == COLUMNS
