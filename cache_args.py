@@ -109,7 +109,6 @@ def parse_args_with_cache_config(parser: argparse.ArgumentParser, argv=None) -> 
         except ValueError as e:
             parser.exit(2, f"error: {e}\n")
         parser.set_defaults(**config)
-        return parser.parse_args(argv)
     return parser.parse_args(argv)
 
 

@@ -40,9 +40,7 @@ class SnapKVCompressor(PromptCompressor):
 
 
 class HeavyHitterCache(KVCache):
-    """H2O / Scissorhands: keeps the tokens that received the most attention, per head.
-
-    History is a ring of `history_window_size` steps per slot (one accumulating step when the
+    """History is a ring of `history_window_size` steps per slot (one accumulating step when the
     window is 1); the score is the mean over the steps recorded since the slot was filled.
     """
 
