@@ -68,11 +68,12 @@ from generation import (
     DEFAULT_CHECKPOINT,
     STEPS,
     CheckpointError,
+    answer_questions,
     check_output_path,
     checkpoint_config,
     compile_steps,
     load_model,
-    prefill_length,
+    prefill_through,
     resolve_device,
     resolve_dtype,
     sample,
@@ -86,6 +87,18 @@ MIB = 2**20
 
 
 # ------------------------------------------------------------------------------------ arguments
+def parse_chunk(value: str) -> int | None:
+    if value.lower() == "none":
+        return None
+    try:
+        chunk = int(value)
+    except ValueError:
+        chunk = 0
+    if chunk < 1:
+        raise argparse.ArgumentTypeError(f"prefill chunk sizes must be none or at least 1, got '{value}'")
+    return chunk
+
+
 def parse_bits(value: str) -> int | None:
     if value.lower() in ("none", "16", "0"):
         return None
@@ -107,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     grid.add_argument("--modes", nargs="+", default=None, choices=("eager", "compiled"), help="default eager")
     grid.add_argument("--cache_bits", nargs="+", type=parse_bits, default=None,
                       help="none (unquantized), 2, 4, 8 (default none)")  # fmt: skip
+    grid.add_argument("--prefill_chunk_sizes", nargs="+", type=parse_chunk, default=None,
+                      help="prefill N prompt tokens at a time through the cache; none: one pass (default none)")  # fmt: skip
+    grid.add_argument("--questions", nargs="+", type=int, default=None,
+                      help="N > 0: instead of prefill and decode, N questions over one context compressed once "
+                      "(context-only) against N runs that each prefill it (default 0)")  # fmt: skip
     p.add_argument("--plan", choices=("targets", "grid"), default=None,
                    help="targets: the performance plan, filtered by any grid flag given; grid: the cartesian product "
                    "(default: targets without grid flags, grid with them)")  # fmt: skip
@@ -156,6 +174,8 @@ def resolve_options(args) -> None:
         args.target_contexts = [ctx] * len(TARGET_CONTEXTS) if ctx else list(TARGET_CONTEXTS.values())
     if args.decode_steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise ValueError("--decode_steps and --rounds must be >= 1 and --warmup >= 0")
+    if any(n < 0 for n in args.questions or []):
+        raise ValueError("--questions must be >= 0")
 
 
 def row_cache_kwargs(cfg: Config) -> dict:
@@ -164,6 +184,8 @@ def row_cache_kwargs(cfg: Config) -> dict:
         prompt_compression_strategy=[cfg.compressor],
         max_cache_length=[cfg.budget],
         cache_bits=cfg.cache_bits,
+        prefill_chunk_size=cfg.chunk,
+        context_only=cfg.questions > 0,
     )
 
 
@@ -346,7 +368,7 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
     caches = setup_caches(model, cache_kwargs, ctx, sum(phases.values()) + 1)
     positions = phase_positions(phases, ctx, device)
     row = {"compressor": cfg.compressor, "cache_slots": min(c.max_cache_length for c in caches)}
-    prefill = prefill_call(model, steps, prompt.to(device), caches, device)
+    prefill = prefill_call(model, steps, prompt.to(device), caches, cache_kwargs.get("prefill_chunk_size"))
     compile_s = untimed_prefill(prefill, caches, device)
 
     cache_bytes = sum(state_bytes(c) for c in caches)
@@ -372,6 +394,46 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
                 take_step(i)
     model.setup_caches([None] * model.config.n_layer, 1)  # drop this row's caches before the next
     return row
+
+
+QUESTION_TOKENS = 24
+
+
+def run_questions(model, cfg: Config, context: torch.Tensor, args, device) -> dict:
+    """`cfg.questions` questions (random tokens) over one context, context-only: compressed once and
+    restored before each question, against each question run on its own, prefilling the context
+    again. Both ways greedily answer `--decode_steps` tokens; after an untimed run of each, they are
+    timed in turn, `--rounds` times (the median counts), and must give the same answers."""
+    steps = row_steps(cfg.mode == "compiled", device)
+    cache_kwargs = row_cache_kwargs(cfg)
+    vocab, new_tokens = model.config.vocab_size, args.decode_steps
+    questions = [random_prompt(vocab, QUESTION_TOKENS, args.seed + 1 + i) for i in range(cfg.questions)]
+    context = context.to(device)
+
+    def ask(batch: list[torch.Tensor]) -> list:
+        return list(answer_questions(model, context, batch, new_tokens, cache_kwargs, steps=steps))
+
+    def shared() -> list:
+        return ask(questions)
+
+    def separate() -> list:
+        return [answer for question in questions for answer in ask([question])]
+
+    shared_answers, separate_answers = shared(), separate()
+    shared_s, separate_s = alternated_medians(lambda _: shared(), lambda _: separate(), args.rounds, device)
+    same = [t.tolist() for t, _ in shared_answers] == [t.tolist() for t, _ in separate_answers]
+    stats = shared_answers[-1][1]
+    model.setup_caches([None] * model.config.n_layer, 1)
+    return {
+        "cache_slots": None,
+        "shared_s": shared_s,
+        "separate_s": separate_s,
+        "shared_over_separate": shared_s / separate_s,
+        "same_answers": int(same),
+        "cache_mib": stats["cache_memory_bytes"] / MIB,
+        "compression_ratio": stats["compression_ratio"],
+        "tokens_sha": tokens_sha([t for answer, _ in shared_answers for t in answer.tolist()]),
+    }
 
 
 def row_steps(compiled: bool, device) -> dict:
@@ -410,21 +472,9 @@ def phase_positions(phases: dict[str, int], ctx: int, device) -> dict[str, list[
     return positions
 
 
-def prefill_call(model, steps: dict, prompt: torch.Tensor, caches: list, device):
-    """A row's prefill as a call returning the first greedy token: one pass over the prompt, or, for
-    a prompt exactly as long as the cache, all but its tail, which is teacher-forced."""
-    ctx = prompt.numel()
-    n_prefill = prefill_length(ctx, caches, False)
-    prefill_pos = torch.arange(n_prefill, device=device)
-    tail_pos = [torch.tensor([p], device=device) for p in range(n_prefill, ctx)]
-
-    def prefill():
-        logits = steps["prefill"](model, prompt[:n_prefill].view(1, -1), prefill_pos)
-        for i, pos in enumerate(tail_pos):
-            logits = steps["decode"](model, prompt[n_prefill + i].view(1, 1), pos)
-        return sample(logits)
-
-    return prefill
+def prefill_call(model, steps: dict, prompt: torch.Tensor, caches: list, chunk_size: int | None):
+    """A row's prefill as a call returning the first greedy token (generation.prefill_through)."""
+    return lambda: sample(prefill_through(model, steps, prompt, caches, chunk_size))
 
 
 def untimed_prefill(prefill, caches: list, device) -> float:
@@ -664,16 +714,19 @@ def run_grid(args, configs: list[Config], device) -> list[dict]:
 def measure_ours(args, configs: list[Config], device, prompt_for, probe, single: bool) -> list[dict]:
     """Our rows of one dtype. Eager rows come first, in rounds: eager rows measured after compiled
     ones have come out slower on a small machine (the cause is not pinned down). Compiled rows run
-    once: each round would compile again."""
+    once: each round would compile again; question rows run once, taking their rounds inside."""
     model = load_model(args.checkpoint_path, device, resolve_dtype(configs[0].dtype))
     warm_up_ours(model, device)
 
     def measure_one(cfg, round_index):
+        if cfg.questions:
+            return measure(cfg, device, run_questions, model, cfg, prompt_for(cfg.context), args, device)
         prof = profile_path(args.profile, cfg.tag, single) if args.profile and round_index == 0 else None
         return measure(cfg, device, run_ours, model, cfg, prompt_for(cfg.context), args, device, prof, probe)
 
-    rows = in_rounds([c for c in configs if c.mode == "eager"], args.rounds, measure_one)
-    return rows + [measure_one(c, 0) for c in configs if c.mode == "compiled"]
+    in_turn = [c for c in configs if c.mode == "eager" and not c.questions]
+    rows = in_rounds(in_turn, args.rounds, measure_one)
+    return rows + [measure_one(c, 0) for c in configs if c not in in_turn]
 
 
 def measure_hf(args, configs: list[Config], device, prompt_for) -> list[dict]:

@@ -16,7 +16,16 @@ import strategies
 from cache_args import CACHE_CONFIG_DIR
 
 PLAN_FILE = CACHE_CONFIG_DIR / "benchmark" / "plan.yaml"
-GRID_FLAGS = ("strategies", "budgets", "context_lengths", "dtypes", "modes", "cache_bits")
+GRID_FLAGS = (
+    "strategies",
+    "budgets",
+    "context_lengths",
+    "dtypes",
+    "modes",
+    "cache_bits",
+    "prefill_chunk_sizes",
+    "questions",
+)
 GRID_DEFAULTS = dict(
     strategies=[strategies.DEFAULT_STRATEGY],
     budgets=[0.1],
@@ -24,10 +33,12 @@ GRID_DEFAULTS = dict(
     dtypes=["bfloat16"],
     modes=["eager"],
     cache_bits=[None],
+    prefill_chunk_sizes=[None],
+    questions=[0],
 )
 # Flag defaults outside both presets.
 OPTION_DEFAULTS = dict(decode_steps=32, warmup=3, compare="none", rounds=1, bound=False)
-CONFIGURATION = ("strategy", "budget", "context", "dtype", "cache_bits")  # a row's configuration, less its mode
+CONFIGURATION = ("strategy", "budget", "context", "dtype", "cache_bits", "chunk", "questions")  # less its mode
 TARGET_KEYS = {
     "id", "name", "after_failed", "what", "rows", "against", "same", "ratio", "value", "equal",
     "at_least", "at_most", "percent", "judge", "superseded_by",
@@ -44,6 +55,8 @@ class Config:
     dtype: str
     mode: str
     cache_bits: int | None
+    chunk: int | None = None  # prefill chunk size; None: one pass
+    questions: int = 0  # > 0: questions over one compressed context, asked once each way
 
     @property
     def compressor(self) -> str:
@@ -52,7 +65,8 @@ class Config:
     @property
     def tag(self) -> str:
         bits = f"{self.cache_bits}bit" if self.cache_bits else "nobits"
-        return f"{self.impl}-{self.strategy}-{self.budget:g}-{self.context}-{self.dtype}-{self.mode}-{bits}"
+        tag = f"{self.impl}-{self.strategy}-{self.budget:g}-{self.context}-{self.dtype}-{self.mode}-{bits}"
+        return tag + (f"-chunk{self.chunk}" if self.chunk else "") + (f"-{self.questions}q" if self.questions else "")
 
 
 # ------------------------------------------------------------------------------------ the YAML file
@@ -139,12 +153,12 @@ def grid_configs(grid: dict) -> list[Config]:
     baselines = strategies.baseline_strategies()
     configs = []
     axes = [grid[k] for k in GRID_FLAGS]
-    for strategy, budget, ctx, dtype, mode, bits in itertools.product(*axes):
+    for strategy, budget, ctx, dtype, mode, bits, chunk, questions in itertools.product(*axes):
         if strategy in baselines:
             budget = 1.0
         elif budget == 1.0:
             continue
-        configs.append(Config("ours", strategy, budget, ctx, dtype, mode, bits))
+        configs.append(Config("ours", strategy, budget, ctx, dtype, mode, bits, chunk, questions))
     return configs
 
 

@@ -18,6 +18,8 @@ COLUMNS = [
     "dtype",
     "mode",
     "cache_bits",
+    "chunk",
+    "questions",
     "device",
     "threads",
     "cache_slots",
@@ -40,6 +42,10 @@ COLUMNS = [
     "compile_s",
     "paired_speedup",
     "steal_pct",
+    "shared_s",
+    "separate_s",
+    "shared_over_separate",
+    "same_answers",
     "rounds",
     "tokens_sha",
     "error",
@@ -54,6 +60,8 @@ TABLE = [
     ("dtype", "dtype", "{}"),
     ("mode", "mode", "{}"),
     ("cache_bits", "bits", "{}"),
+    ("chunk", "chunk", "{}"),
+    ("questions", "questions", "{}"),
     ("prefill_tok_s", "prefill tok/s", "{:.0f}"),
     ("decode_tok_s", "decode tok/s", "{:.1f}"),
     ("decode_cpu_ms", "cpu ms/step", "{:.0f}"),
@@ -67,9 +75,17 @@ TABLE = [
     ("compile_s", "compile s", "{:.1f}"),
     ("paired_speedup", "vs eager", "{:.2f}x"),
     ("steal_pct", "steal %", "{:.0f}"),
+    ("shared_over_separate", "shared/separate", "{:.2f}x"),
 ]
 CONFIGURATION_COLUMNS = ("impl", "strategy", "budget", "context", "dtype", "mode")  # still shown in a failed row
-PROGRESS_COLUMNS = ("prefill_tok_s", "decode_tok_s", "prefill_peak_mib", "cache_mib", "compile_s")
+PROGRESS_COLUMNS = (
+    "prefill_tok_s",
+    "decode_tok_s",
+    "prefill_peak_mib",
+    "cache_mib",
+    "compile_s",
+    "shared_over_separate",
+)
 BOUND_NOTE = (
     "bound = bandwidth (GB/s: the probe read between the row's decode steps) / (weight bytes + KV bytes"
     " read per token); of bound = those decode steps' tok/s / bound"

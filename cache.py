@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from quantization_utils import SUPPORTED_BITS, QuantizedTensor, packed_dim, quantize
+from model import attention_with_probs
+from quantization_utils import SUPPORTED_BITS, QuantizedTensor, dequantize, packed_dim, quantize
 
 PATTERNS = ("tile", "repeat", "pyramid", "funnel")
 
@@ -121,6 +122,7 @@ class KVCache(nn.Module):
         self.cache_bits = cache_bits
         self.dtype = dtype
         self.prompt_compressor = prompt_compressor
+        self.reserved_slots = 0  # kept free at prefill for tokens still to come (context-only: the question)
         shape = (max_batch_size, n_heads, max_cache_length)
         if cache_bits is None:
             self.register_buffer("k_cache", torch.zeros(*shape, head_dim, dtype=dtype))
@@ -194,11 +196,87 @@ class KVCache(nn.Module):
 
     def kept_prompt_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> Tensor | None:
         """Indices [B, H, n] of the prompt tokens the cache keeps (the prompt compressor's choice when
-        the prompt does not fit), None when it keeps them all."""
-        if k.shape[2] <= self.max_cache_length:
+        the prompt does not fit its budget), None when it keeps them all."""
+        budget = self.max_cache_length - self.reserved_slots
+        if k.shape[2] <= budget:
             return None
-        keep = self.prompt_compressor(input_pos, k, v, query, self.max_cache_length)
+        keep = self.prompt_compressor(input_pos.view(1, 1, -1), k, v, query, budget)
         return keep.expand(k.shape[0], k.shape[1], -1)
+
+    @torch.compiler.disable  # swaps in wider buffers for the chunk's duration
+    def attend_chunk(self, input_pos: Tensor, query: Tensor, k: Tensor, v: Tensor, token_ids=None) -> Tensor:
+        """A later piece of the prompt, k/v [B, H, N, D] at input_pos [N]: its queries attend to what
+        the cache holds and to the chunk (causally); then the held tokens and the chunk's compete for
+        the slots, ranked together by the prompt compressor as it ranks a whole prompt. Returns the
+        chunk's attention output [B, H_q, N, D]."""
+        bsz, n_kv, n, head_dim = k.shape
+        group = query.shape[1] // n_kv
+        held_keys, held_values = self.dense()
+        keys, values = torch.cat([held_keys, k], dim=2), torch.cat([held_values, v], dim=2)
+        originals = self.widen(n)
+        slots = torch.arange(self.max_cache_length - n, self.max_cache_length, device=k.device).expand(bsz, n_kv, n)
+        self.write(slots, input_pos.view(1, 1, -1).expand_as(slots), k, v)
+        self.insert_state(slots, k, {})
+        visible = self.held().unsqueeze(-2) & (self.pos.unsqueeze(-2) <= input_pos.view(-1, 1))  # [B, H, N, S]
+        q = query.reshape(bsz, n_kv, group * n, head_dim)
+        mask = visible.repeat(1, 1, group, 1)
+        if self.return_attn():
+            out, attn = attention_with_probs(q, keys, values, mask)
+            self.update_state(input_pos, k, v, True, attn.view(bsz, n_kv, group, n, -1))
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        budget = self.max_cache_length - n - self.reserved_slots
+        keep = self.prompt_compressor(self.pos, keys, values, query, budget)
+        self.narrow(originals, keep.expand(bsz, n_kv, -1))
+        return out.view(bsz, n_kv * group, n, head_dim)
+
+    def per_slot_buffers(self) -> list[str]:
+        """Names of the buffers indexed [batch, head, slot, ...]: the tokens and their state."""
+        return [
+            name
+            for name, b in self.named_buffers(recurse=False)
+            if name != "row_offsets" and b.dim() >= 3 and b.shape[:3] == self.pos.shape
+        ]
+
+    def widen(self, n: int) -> dict[str, Tensor]:
+        """Appends n empty slots to every per-slot buffer, for a chunk to join; returns the originals."""
+        originals = {name: getattr(self, name) for name in self.per_slot_buffers()}
+        for name, buffer in originals.items():
+            extra = torch.full_like(buffer[:, :, :n], -1 if name == "pos" else 0)
+            setattr(self, name, torch.cat([buffer, extra], dim=2))
+        self.set_length(self.max_cache_length + n)
+        return originals
+
+    def narrow(self, originals: dict[str, Tensor], keep: Tensor) -> None:
+        """Back to the original buffers: their first slots take the widened ones' slots `keep`
+        [B, H, n], the rest are emptied."""
+        n = keep.shape[-1]
+        for name, buffer in originals.items():
+            index = keep.view(*keep.shape, *[1] * (buffer.dim() - 3)).expand(*keep.shape, *buffer.shape[3:])
+            buffer[:, :, :n].copy_(getattr(self, name).gather(2, index))
+            buffer[:, :, n:].fill_(-1 if name == "pos" else 0)
+            setattr(self, name, buffer)
+        self.set_length(originals["pos"].shape[2])
+
+    def set_length(self, length: int) -> None:
+        self.max_cache_length = length
+        bsz, n_heads = self.pos.shape[:2]
+        offsets = torch.arange(bsz * n_heads, device=self.pos.device).view(bsz, n_heads, 1) * length
+        self.row_offsets = offsets
+
+    def held(self) -> Tensor:
+        """Slots attention may use [B, H, L]: the filled ones."""
+        return self.pos >= 0
+
+    def dense(self) -> tuple[Tensor, Tensor]:
+        """Keys and values as [B, H, L, D] tensors of the cache's dtype, dequantized if low-bit."""
+        if self.cache_bits is None:
+            return self.k_cache, self.v_cache
+        return tuple(
+            dequantize(getattr(self, f"{n}_packed"), getattr(self, f"{n}_scale"), getattr(self, f"{n}_zero"),
+                       self.cache_bits, self.dtype)
+            for n in ("k", "v")
+        )  # fmt: skip
 
     def insert_prompt(self, input_pos: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, state: dict) -> None:
         """Writes the kept prompt tokens (state already for those tokens) into slots 0..n-1."""
@@ -270,6 +348,29 @@ class KVCache(nn.Module):
 def state_bytes(cache: nn.Module) -> int:
     """Bytes of a cache's persistent buffers: its memory, without bookkeeping such as row_offsets."""
     return sum(t.numel() * t.element_size() for t in cache.state_dict().values())
+
+
+def cache_state(caches: list[KVCache]) -> list[dict[str, Tensor]]:
+    """A copy of what every cache holds (its persistent buffers), to return to with load_cache_state."""
+    return [{name: t.clone() for name, t in cache.state_dict().items()} for cache in caches]
+
+
+def load_cache_state(caches: list[KVCache], state: list[dict[str, Tensor]]) -> None:
+    """Copies saved contents into the caches' own buffers, in place (compiled steps keep using them);
+    a state of another layout is a ValueError naming the first buffer that differs."""
+    if len(state) != len(caches):
+        raise ValueError(f"the saved state has {len(state)} layers, the model {len(caches)}")
+    for layer, (cache, saved) in enumerate(zip(caches, state)):
+        own = cache.state_dict()
+        if set(own) != set(saved):
+            raise ValueError(f"layer {layer} holds {sorted(own)}, the saved state {sorted(saved)}")
+        for name, t in own.items():
+            if t.shape != saved[name].shape or t.dtype != saved[name].dtype:
+                raise ValueError(
+                    f"layer {layer} {name} is {tuple(t.shape)} {t.dtype}, the saved one "
+                    f"{tuple(saved[name].shape)} {saved[name].dtype}"
+                )
+            t.copy_(saved[name])
 
 
 def resolve_recent_window(recent_window: float, cache_length: int, global_tokens: int) -> int:

@@ -29,8 +29,14 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prompt_compression_strategy", nargs="+", default=[strategies.DEFAULT_COMPRESSOR],
                        help=f"one per cache strategy, from {', '.join(strategies.compressors())}; used when the "
                        f"prompt is longer than a cache (default: {strategies.DEFAULT_COMPRESSOR})")  # fmt: skip
-    group.add_argument("--feed_long_prompts", action="store_true",
-                       help="prefill one cache length of the prompt, feed the rest one token at a time (default: off)")  # fmt: skip
+    group.add_argument("--prefill_chunk_size", type=int, default=None,
+                       help="prefill the prompt N tokens at a time, each chunk competing with the cache for its slots; "
+                       "1 = one cache length, then a token per decode step (default: one pass)")  # fmt: skip
+    group.add_argument("--feed_long_prompts", dest="prefill_chunk_size", action="store_const", const=1,
+                       help="the same as --prefill_chunk_size 1")  # fmt: skip
+    group.add_argument("--context_only", action="store_true",
+                       help="compress the context before the question is seen (query-agnostic); default: query-aware, "
+                       "the question is compressed with the context")  # fmt: skip
     for p in strategies.hyperparameters():
         users = [n for n, c in strategies.STRATEGIES.items() if p in c.params]
         text = f"{'/'.join(users)}: {p.help}" if users else p.help
@@ -120,6 +126,13 @@ def check_values(cache_kwargs: dict) -> None:
             raise ValueError(f"--max_cache_length {length} is above 1, so a token count: give a whole number")
     for p in strategies.hyperparameters():
         p.validate(cache_kwargs.get(p.name, p.default))
+    if cache_kwargs.get("prefill_chunk_size") is not None:
+        check_value("--prefill_chunk_size", cache_kwargs["prefill_chunk_size"], minimum=1)
+        if cache_kwargs["prefill_chunk_size"] == 1 and cache_kwargs.get("context_only"):
+            raise ValueError(
+                "--context_only with one token at a time would let the question evict context tokens as it is "
+                "fed; give --prefill_chunk_size above 1"
+            )
 
 
 def check_compatibility(cache_kwargs: dict, n_layer: int | None = None, compile: bool = False) -> None:
@@ -165,13 +178,22 @@ def check_compatibility(cache_kwargs: dict, n_layer: int | None = None, compile:
             )
 
 
-def check_cache_lengths(cache_kwargs: dict, n_layer: int, prompt_length: int, max_new_tokens: int) -> None:
-    """The compatibility checks that need the prompt length: run after tokenizing, before the model loads."""
+def check_cache_lengths(
+    cache_kwargs: dict, n_layer: int, prompt_length: int, max_new_tokens: int, question_length: int = 0
+) -> None:
+    """The compatibility checks that need the prompt length: run after tokenizing, before the model loads.
+    `question_length`: the tokens after the context, kept room for in --context_only mode."""
     lengths = layer_cache_lengths(cache_kwargs, n_layer, prompt_length, max_new_tokens)
-    prefilled = min(prompt_length, min(lengths)) if cache_kwargs.get("feed_long_prompts") else prompt_length
+    one_at_a_time = cache_kwargs.get("prefill_chunk_size") == 1
+    prefilled = min(prompt_length, min(lengths)) if one_at_a_time else prompt_length
     for length, (_, compressor) in zip(lengths, layer_strategies(cache_kwargs, n_layer)):
         if length <= cache_kwargs["global_tokens"]:
             raise ValueError(f"--global_tokens {cache_kwargs['global_tokens']} exceeds a cache of {length} slots")
+        if cache_kwargs.get("context_only") and length - question_length <= cache_kwargs["global_tokens"]:
+            raise ValueError(
+                f"the question ({question_length} tokens) leaves no room for the context in a {length}-slot cache "
+                "with --context_only; raise --max_cache_length"
+            )
         if not strategies.compressor_class(compressor).compresses and prefilled > length:
             raise ValueError(
                 f"prompt of {prompt_length} tokens does not fit a {length}-slot cache with prompt compression "
@@ -188,6 +210,5 @@ def relevant_kwargs(cache_kwargs: dict) -> dict:
         names.append("cache_length_pattern")
     if len(cache_kwargs["cache_strategy"]) > 1:
         names.append("cache_strategy_pattern")
-    if cache_kwargs.get("feed_long_prompts"):
-        names.append("feed_long_prompts")
+    names += [n for n in ("prefill_chunk_size", "context_only") if cache_kwargs.get(n)]
     return {n: cache_kwargs.get(n) for n in dict.fromkeys(names)}

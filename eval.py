@@ -51,6 +51,7 @@ from generation import (
     DEFAULT_CHECKPOINT,
     STEPS,
     CheckpointError,
+    answer_questions,
     checkpoint_config,
     compile_steps,
     generate,
@@ -392,9 +393,24 @@ def seed_for(seed: int, sample_id: str) -> int:
     return zlib.crc32(f"{seed}|{sample_id}".encode())
 
 
-def run_sample(model, tokenizer, task, sample, text: str, cache_kwargs: dict, steps: dict, seed: int) -> dict:
+def encode_sample(tokenizer, task, sample, chat: bool) -> tuple[str, list[int], int]:
+    """The model's text, its token ids and how many of them are the context (all when the task's
+    prompt has no question apart from it): the context is tokenized on its own in both modes, so
+    query-aware and context-only runs see the same tokens."""
+    text = model_input(tokenizer, sample.prompt, task.kind, chat)
+    boundary = len(text)
+    if sample.context_end is not None:
+        head = sample.prompt[: sample.context_end]
+        boundary = text.index(head) + len(head)
+    ids, context_length = tokenizer.encode_split(text, boundary)
+    return text, ids, context_length
+
+
+def run_sample(model, tokenizer, task, sample, chat: bool, cache_kwargs: dict, steps: dict, seed: int) -> dict:
     torch.manual_seed(seed_for(seed, sample.id))
-    prompt_ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    text, ids, context_length = encode_sample(tokenizer, task, sample, chat)
+    prompt_ids = torch.tensor(ids, dtype=torch.long)
+    context_length = context_length if cache_kwargs.get("context_only") else None
     start = time.perf_counter()
     logprobs = ""
     if task.kind == "generate":
@@ -405,6 +421,7 @@ def run_sample(model, tokenizer, task, sample, text: str, cache_kwargs: dict, st
             cache_kwargs,
             terminator_ids=tokenizer.terminator_ids,
             steps=steps,
+            context_length=context_length,
         )
         terminators = set(tokenizer.terminator_ids)
         prediction = tokenizer.decode([t for t in tokens.tolist() if t not in terminators])
@@ -412,7 +429,9 @@ def run_sample(model, tokenizer, task, sample, text: str, cache_kwargs: dict, st
         lls, all_stats = [], []
         for option in sample.options:
             option_ids = torch.tensor(tokenizer.encode(option, bos=False), dtype=torch.long)
-            token_logprobs, stats = score_continuation(model, prompt_ids, option_ids, cache_kwargs, steps)
+            token_logprobs, stats = score_continuation(
+                model, prompt_ids, option_ids, cache_kwargs, steps, context_length
+            )
             lls.append(float(token_logprobs.sum()))
             all_stats.append(stats)
         stats = {k: mean([s[k] for s in all_stats]) for k in STAT_COLUMNS if k in all_stats[0]}
@@ -420,15 +439,64 @@ def run_sample(model, tokenizer, task, sample, text: str, cache_kwargs: dict, st
         logprobs = json.dumps(lls)
     else:  # perplexity
         cont_ids = torch.tensor(tokenizer.encode(sample.continuation, bos=False), dtype=torch.long)
-        token_logprobs, stats = score_continuation(model, prompt_ids, cont_ids, cache_kwargs, steps)
+        token_logprobs, stats = score_continuation(model, prompt_ids, cont_ids, cache_kwargs, steps, context_length)
         values = token_logprobs.tolist()
         prediction = f"{math.exp(-sum(values) / len(values)):.6g}"
         logprobs = json.dumps(values)
     stats["seconds"] = time.perf_counter() - start
+    return prediction_row(sample, text, prediction, logprobs, stats)
+
+
+def prediction_row(sample, text: str, prediction: str, logprobs: str, stats: dict) -> dict:
     row = {"id": sample.id, "prompt": text, "prediction": prediction, "labels": json.dumps(sample.labels)}
     row["logprobs"] = logprobs
     row.update({k: "" if stats.get(k) is None else stats[k] for k in STAT_COLUMNS})
     return row
+
+
+def shared_context(sample) -> str:
+    """The group of samples asking about the same context (the sample alone, for most tasks)."""
+    return sample.meta.get("group", sample.id)
+
+
+def group_by_context(samples) -> list[list]:
+    """Consecutive samples that share a context, in sample order."""
+    groups: list[list] = []
+    for sample in samples:
+        if groups and shared_context(groups[-1][-1]) == shared_context(sample):
+            groups[-1].append(sample)
+        else:
+            groups.append([sample])
+    return groups
+
+
+def encode_group(tokenizer, task, group, chat: bool) -> tuple[dict, list[int], int]:
+    """Each sample's (text, ids, context length) by id, their shared context's ids, and the room
+    its cache keeps for questions: the longest question of the whole group, so that a resumed run
+    compresses the context as the first did."""
+    encoded = {s.id: encode_sample(tokenizer, task, s, chat) for s in group}
+    _, first, length = encoded[group[0].id]
+    context = first[:length]
+    if any(ids[:length] != context for _, ids, length in encoded.values()):
+        raise ValueError(f"task '{task.name}': the samples of {shared_context(group[0])} differ in their context")
+    return encoded, context, max(len(ids) - length for _, ids, length in encoded.values())
+
+
+def run_shared_context(model, tokenizer, task, group, todo, chat: bool, cache_kwargs: dict, steps: dict, seed: int):
+    """Rows for the `todo` samples of a group, each answered from one compressed copy of their
+    context (context-only); yields each row as its answer finishes."""
+    encoded, context, room = encode_group(tokenizer, task, group, chat)
+    questions = [torch.tensor(encoded[s.id][1][encoded[s.id][2] :], dtype=torch.long) for s in todo]
+    torch.manual_seed(seed_for(seed, shared_context(group[0])))
+    answers = answer_questions(
+        model, torch.tensor(context, dtype=torch.long), questions, task.max_new_tokens, cache_kwargs,
+        tokenizer.terminator_ids, steps, room, seeds=[seed_for(seed, s.id) for s in todo],
+    )  # fmt: skip
+    terminators = set(tokenizer.terminator_ids)
+    for sample, (tokens, stats) in zip(todo, answers):
+        prediction = tokenizer.decode([t for t in tokens.tolist() if t not in terminators])
+        stats["seconds"] = stats["prefill_time"] + stats["decode_time"]
+        yield prediction_row(sample, encoded[sample.id][0], prediction, "", stats)
 
 
 def mean(values) -> float | None:
@@ -489,8 +557,11 @@ def prepare(args):
         samples = task.samples(tokenizer, budget, args.num_samples, args.seed, args.data_dir)
         if not samples:
             raise EvalError(f"task '{label}': no sample fits the model's context of {config.block_size} tokens")
-        for sample in samples:  # cache sizes depend on each prompt: check them before the model loads
-            check_cache_lengths(cache_kwargs, config.n_layer, sample.prompt_tokens, max(1, task.max_new_tokens))
+        new_tokens = max(1, task.max_new_tokens)
+        for group in group_by_context(samples):  # cache sizes depend on each prompt: check them before the model loads
+            room = encode_group(tokenizer, task, group, chat)[2] if args.context_only else 0
+            for sample in group:
+                check_cache_lengths(cache_kwargs, config.n_layer, sample.prompt_tokens, new_tokens, room)
         prepared.append((label, task, samples))
     return device, dtype, config, cache_kwargs, folder, tokenizer, chat, prepared
 
@@ -578,17 +649,22 @@ def evaluate_task(folder: Path, label: str, task, samples, rows: dict, run: tupl
     from tqdm import tqdm
 
     model, tokenizer, chat, cache_kwargs, steps, seed = run
-    todo = [s for s in samples if s.id not in rows]
+    todo = {s.id for s in samples if s.id not in rows}
     writer = PredictionWriter(folder / f"{label}_predictions.csv")
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=label, unit="sample", dynamic_ncols=True)
+    shared = cache_kwargs.get("context_only") and task.kind == "generate"
     try:
-        for sample in todo:
-            text = model_input(tokenizer, sample.prompt, task.kind, chat)
-            row = run_sample(model, tokenizer, task, sample, text, cache_kwargs, steps, seed)
-            writer.write(row)
-            rows[sample.id] = {k: str(v) for k, v in row.items()}
-            bar.set_postfix(compression=f"{float(row['compression_ratio']):.2f}", refresh=False)
-            bar.update(1)
+        for group in group_by_context(samples):
+            waiting = [s for s in group if s.id in todo]
+            if shared and len(group) > 1 and waiting:
+                finished = run_shared_context(model, tokenizer, task, group, waiting, chat, cache_kwargs, steps, seed)
+            else:
+                finished = (run_sample(model, tokenizer, task, s, chat, cache_kwargs, steps, seed) for s in waiting)
+            for sample, row in zip(waiting, finished):
+                writer.write(row)
+                rows[sample.id] = {k: str(v) for k, v in row.items()}
+                bar.set_postfix(compression=f"{float(row['compression_ratio']):.2f}", refresh=False)
+                bar.update(1)
     finally:
         bar.close()
         writer.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+import strategies
 import tp
 from cache import check_value
 from cache_args import (
@@ -28,6 +29,7 @@ from generation import (
     DEFAULT_CHECKPOINT,
     STEPS,
     CheckpointError,
+    answer_from,
     check_output_path,
     checkpoint_config,
     compile_steps,
@@ -36,17 +38,29 @@ from generation import (
     peak_memory_bytes,
     resolve_device,
     resolve_dtype,
+    setup_caches,
     torch_profile,
 )
+from saved_context import check_header, describe, load_context, read_header, save_context
 from tokenizer import get_tokenizer
 
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
+DEFAULT_PROMPT = "What is a cold compress?"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt", default="What is a cold compress?",
-                        help="a prompt string, or NAME.txt from prompts/ (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--prompt", default=None,
+                        help=f"a prompt string, or NAME.txt from prompts/ (default: {DEFAULT_PROMPT!r})")  # fmt: skip
+    parser.add_argument("--question", default=None,
+                        help="a question about the prompt, which is then its context; both go in one user turn "
+                        "(default: none)")  # fmt: skip
+    parser.add_argument("--save_cache", type=Path, default=None,
+                        help="write the prompt's compressed cache (context-only) to FILE, then answer --question "
+                        "(default: none)")  # fmt: skip
+    parser.add_argument("--load_cache", type=Path, default=None,
+                        help="start from a cache written by --save_cache and answer --question; takes no --prompt "
+                        "(default: none)")  # fmt: skip
     parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT,
                         help="converted checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
     parser.add_argument("--max_new_tokens", type=int, default=256,
@@ -78,6 +92,69 @@ def read_prompt(prompt: str) -> str:
     if not prompt.strip():
         raise ValueError("the prompt is empty; pass --prompt TEXT or --prompt NAME.txt")
     return prompt
+
+
+def check_question_flags(args) -> None:
+    """The flags that need a question, and those that exclude each other."""
+    if args.question is not None and not args.question.strip():
+        raise ValueError("the question is empty; pass --question TEXT")
+    for flag in ("context_only", "save_cache", "load_cache"):
+        if getattr(args, flag) and args.question is None:
+            raise ValueError(f"--{flag} needs --question (the prompt is then the context)")
+    if args.save_cache and args.load_cache:
+        raise ValueError("--save_cache and --load_cache exclude each other; save in one run, load in the next")
+    if args.load_cache and args.prompt is not None:
+        raise ValueError("--load_cache takes no --prompt: the context comes from the file")
+    if (args.save_cache or args.load_cache) and tp.world_size() > 1:
+        raise ValueError("--save_cache and --load_cache run on one process; drop torchrun")
+
+
+def encode_prompt(tokenizer, prompt: str, question: str | None, raw: bool) -> tuple[torch.Tensor, int]:
+    """Prompt token ids (the question after the context, in one user turn) and how many of them are
+    the context: the context is tokenized on its own, so it ends on a token boundary."""
+    turn = prompt if question is None else f"{prompt}\n\n{question}"
+    text = turn if raw else tokenizer.apply_chat_template(turn)
+    if question is None:
+        ids = tokenizer.encode(text)
+        return torch.tensor(ids, dtype=torch.long), len(ids)
+    ids, context_length = tokenizer.encode_split(text, text.index(turn) + len(prompt))
+    return torch.tensor(ids, dtype=torch.long), context_length
+
+
+def question_after_saved_context(tokenizer, question: str, raw: bool) -> torch.Tensor:
+    """The tokens that follow a context in the prompt: the question and the template's tail, which
+    do not depend on the context's text."""
+    ids, context_length = encode_prompt(tokenizer, "context", question, raw)
+    return ids[context_length:]
+
+
+def check_saved_context(args, header: dict, question_length: int, block_size: int) -> None:
+    """The question and --max_new_tokens must fit after the saved context: the model's context, and
+    the cache, where it spans the whole sequence."""
+    total = header["context_tokens"] + question_length + args.max_new_tokens
+    if total > block_size:
+        raise ValueError(
+            f"saved context of {header['context_tokens']} tokens + question of {question_length} + "
+            f"{args.max_new_tokens} new tokens exceeds the model's context of {block_size}; lower --max_new_tokens"
+        )
+    room = header["question_room"] + header["max_new_tokens"]
+    if question_length + args.max_new_tokens > room and any(
+        strategies.strategy_class(name).spans_sequence for name in args.cache_strategy
+    ):
+        raise ValueError(
+            f"the saved cache has room for {room} tokens after its context; this question ({question_length}) and "
+            f"--max_new_tokens {args.max_new_tokens} need more; lower --max_new_tokens or save with a longer question"
+        )
+
+
+def caches_from_file(model, cache_kwargs: dict, header: dict, path: Path, sequence_length: int) -> list:
+    """Caches built for the sizes the file was saved with, filled from it."""
+    context_length = header["context_tokens"]
+    caches = setup_caches(model, cache_kwargs, context_length + header["question_room"], header["max_new_tokens"])
+    sized = context_length + header["question_room"] + header["max_new_tokens"]
+    model.setup_caches(caches, max(sized, sequence_length))
+    load_context(path, caches)
+    return caches
 
 
 # Printed first, in their own words; every other statistic the caches report follows by name.
@@ -146,25 +223,36 @@ def main(argv=None) -> None:
         check_value("--temperature", args.temperature, minimum=0)
         if args.top_k is not None:
             check_value("--top_k", args.top_k, minimum=1)
-        prompt = read_prompt(args.prompt)
+        check_question_flags(args)
+        args.context_only = args.context_only or bool(args.save_cache or args.load_cache)
+        prompt = None if args.load_cache else read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
         check_output_path(args.profile, "--profile")
         check_output_path(args.csv, "--csv")
+        check_output_path(args.save_cache, "--save_cache")
         config = checkpoint_config(args.checkpoint_path)
         if tp.world_size() > 1:
             tp.check_tp(config, tp.world_size())
             device = tp.local_device(device)
         cache_kwargs = {k: v for k, v in vars(args).items()}
         check_compatibility(cache_kwargs, config.n_layer, compile=args.compile)
+        setup = describe(config, args.checkpoint_path, args.dtype, cache_kwargs)
         tokenizer = get_tokenizer(args.checkpoint_path)
         cache_kwargs = add_tokenizer_kwargs(cache_kwargs, tokenizer)
-        text = prompt if args.no_chat_template or not tokenizer.is_chat else tokenizer.apply_chat_template(prompt)
-        prompt_ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-        if prompt_ids.numel() + args.max_new_tokens > config.block_size:
-            raise ValueError(
-                f"prompt of {prompt_ids.numel()} tokens + {args.max_new_tokens} new tokens exceeds the model's "
-                f"context of {config.block_size}; shorten the prompt or lower --max_new_tokens"
-            )
-        check_cache_lengths(cache_kwargs, config.n_layer, prompt_ids.numel(), args.max_new_tokens)
+        raw = args.no_chat_template or not tokenizer.is_chat
+        if args.load_cache:
+            header = read_header(args.load_cache)
+            check_header(args.load_cache, header, setup)
+            prompt_ids = question_after_saved_context(tokenizer, args.question, raw)
+            check_saved_context(args, header, prompt_ids.numel(), config.block_size)
+        else:
+            prompt_ids, context_length = encode_prompt(tokenizer, prompt, args.question, raw)
+            if prompt_ids.numel() + args.max_new_tokens > config.block_size:
+                raise ValueError(
+                    f"prompt of {prompt_ids.numel()} tokens + {args.max_new_tokens} new tokens exceeds the model's "
+                    f"context of {config.block_size}; shorten the prompt or lower --max_new_tokens"
+                )
+            question_length = prompt_ids.numel() - context_length if args.context_only else 0
+            check_cache_lengths(cache_kwargs, config.n_layer, prompt_ids.numel(), args.max_new_tokens, question_length)
         shard = tp.apply_tp if tp.maybe_init_dist(device) is not None else None
         model = load_model(args.checkpoint_path, device, dtype, shard=shard)
     except (ValueError, CheckpointError, FileNotFoundError) as e:
@@ -184,18 +272,27 @@ def main(argv=None) -> None:
 
     stream.printed = 0
     start = time.perf_counter()
+    sampling = {"terminator_ids": tokenizer.terminator_ids, "temperature": args.temperature, "top_k": args.top_k}
     with torch_profile(None if rank else args.profile, device, "generate"):
-        _, stats = generate(
-            model,
-            prompt_ids,
-            args.max_new_tokens,
-            cache_kwargs,
-            terminator_ids=tokenizer.terminator_ids,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            callback=stream,
-            steps=steps,
-        )
+        if args.load_cache:
+            sequence_length = header["context_tokens"] + prompt_ids.numel() + args.max_new_tokens
+            caches = caches_from_file(model, cache_kwargs, header, args.load_cache, sequence_length)
+            context_length = header["context_tokens"]
+            _, stats = answer_from(
+                model, caches, context_length, prompt_ids, args.max_new_tokens, cache_kwargs, steps, **sampling,
+                callback=stream,
+            )  # fmt: skip
+        else:
+
+            def save(caches):
+                question_room = prompt_ids.numel() - context_length
+                save_context(args.save_cache, caches, setup, context_length, question_room, args.max_new_tokens)
+
+            _, stats = generate(
+                model, prompt_ids, args.max_new_tokens, cache_kwargs, **sampling, callback=stream, steps=steps,
+                context_length=context_length if args.context_only else None,
+                on_context=save if args.save_cache else None,
+            )  # fmt: skip
     stats = tp.all_reduce_statistics(stats)  # whole-model cache statistics under tensor parallel
     stats["total_time"] = time.perf_counter() - start
     stats["peak_memory_bytes"] = peak_memory_bytes(device)

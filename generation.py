@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from cache import cache_statistics, create_caches
+from cache import cache_state, cache_statistics, create_caches, load_cache_state
 from model import ModelArgs, Transformer
 from one_token import pack_one_token_weights
 
@@ -92,9 +92,9 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -
     return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1, keepdim=True)
 
 
-def prefill(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor:
-    """Logits [B, vocab] of the last prompt position."""
-    return model(x, input_pos, is_prefill=True, last_only=True)[:, -1]
+def prefill(model: Transformer, x: Tensor, input_pos: Tensor, extends: bool = False) -> Tensor:
+    """Logits [B, vocab] of the last prompt position; `extends`: a later chunk of the prompt."""
+    return model(x, input_pos, is_prefill=True, last_only=True, extends=extends)[:, -1]
 
 
 def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor:
@@ -119,18 +119,28 @@ def setup_caches(model: Transformer, cache_kwargs: dict, prompt_length: int, max
     return caches
 
 
-def prefill_length(prompt_length: int, caches: list, feed_long_prompts: bool) -> int:
-    """How many prompt tokens the prefill pass takes; the rest are teacher-forced through decode.
+def prefill_passes(
+    length: int, caches: list, chunk_size: int | None, start: int = 0, reserve: int = 0
+) -> tuple[list[tuple[int, int]], int]:
+    """The spans [begin, end) prefill takes, pass by pass, of `length` tokens at positions start..,
+    and the first position teacher-forced through decode steps instead.
 
-    A prompt exactly as long as the smallest cache keeps its last token for a decode step, so
-    strategies record state before the first eviction.
+    By default one pass. Into empty caches, a prompt exactly as long as the smallest cache keeps its
+    last token for a decode step, so strategies record state before the first eviction; chunk size
+    1 prefills one cache length and feeds the rest one token at a time, evicting as decode does.
+    Larger chunks are prefilled in turn, each through what the caches hold.
     """
-    smallest = min(c.max_cache_length for c in caches)
-    if feed_long_prompts and prompt_length > smallest:
-        return smallest
-    if prompt_length == smallest and prompt_length > 1:
-        return prompt_length - 1
-    return prompt_length
+    end = start + length
+    if chunk_size == 1 and start > 0:
+        return [], start
+    if start == 0 and (chunk_size in (None, 1) or chunk_size >= length):
+        smallest = min(c.max_cache_length for c in caches)
+        if chunk_size == 1 and length > smallest:
+            return [(0, smallest)], smallest
+        n = length - 1 if length == smallest and length > 1 and not reserve else length
+        return [(0, n)], n
+    step = chunk_size or length
+    return [(begin, min(begin + step, end)) for begin in range(start, end, step)], end
 
 
 RECOMPILE_LIMIT = 64  # eval and benchmark reuse the compiled steps across many cache configurations
@@ -224,18 +234,59 @@ def torch_profile(path: Path | None, device: torch.device, label: str, n_rows: i
     print(prof.key_averages().table(sort_by=sort, row_limit=n_rows))
 
 
-def prefill_prompt(model: Transformer, prompt_ids: Tensor, new_tokens: int, cache_kwargs: dict, steps: dict):
-    """Sizes the caches, prefills the prompt and teacher-forces any tail; returns (last logits, caches, seconds)."""
-    device = model.output.weight.device
-    prompt_length = prompt_ids.numel()
-    caches = setup_caches(model, cache_kwargs, prompt_length, new_tokens)
-    n_prefill = prefill_length(prompt_length, caches, cache_kwargs.get("feed_long_prompts", False))
+def prefill_prompt(
+    model: Transformer,
+    prompt_ids: Tensor,
+    new_tokens: int,
+    cache_kwargs: dict,
+    steps: dict,
+    context_length: int | None = None,
+    on_context=None,
+):
+    """Sizes the caches, prefills the prompt and teacher-forces any tail; returns (last logits, caches, seconds).
+
+    With `context_length`, the prompt's first tokens are a context compressed, with room kept for
+    the rest (the question), before the rest is seen; `on_context(caches)` then sees the caches.
+    """
+    caches = setup_caches(model, cache_kwargs, prompt_ids.numel(), new_tokens)
+    chunk_size = cache_kwargs.get("prefill_chunk_size")
     start = time.perf_counter()
-    logits = steps["prefill"](model, prompt_ids[:n_prefill].view(1, -1), torch.arange(n_prefill, device=device))
-    for pos in range(n_prefill, prompt_length):
-        logits = steps["decode"](model, prompt_ids[pos].view(1, 1), torch.tensor([pos], device=device))
-    synchronize(device)
+    if context_length is None:
+        logits = prefill_through(model, steps, prompt_ids, caches, chunk_size)
+    else:
+        question_length = prompt_ids.numel() - context_length
+        prefill_through(model, steps, prompt_ids[:context_length], caches, chunk_size, reserve=question_length)
+        if on_context is not None:
+            on_context(caches)
+        logits = prefill_through(model, steps, prompt_ids[context_length:], caches, chunk_size, start=context_length)
+    synchronize(model.output.weight.device)
     return logits, caches, time.perf_counter() - start
+
+
+def prefill_through(
+    model: Transformer,
+    steps: dict,
+    ids: Tensor,
+    caches: list,
+    chunk_size: int | None = None,
+    start: int = 0,
+    reserve: int = 0,
+) -> Tensor:
+    """Prefills ids [T] at positions start.. into caches holding positions < start, pass by pass
+    (`prefill_passes`), compressing to each cache's length less `reserve` slots kept for tokens still
+    to come; returns the last logits."""
+    device = model.output.weight.device
+    passes, fed = prefill_passes(ids.numel(), caches, chunk_size, start, reserve)
+    for cache in caches:
+        cache.reserved_slots = reserve
+    for begin, end in passes:
+        positions = torch.arange(begin, end, device=device)
+        logits = steps["prefill"](model, ids[begin - start : end - start].view(1, -1), positions, begin > 0)
+    for cache in caches:
+        cache.reserved_slots = 0
+    for pos in range(fed, start + ids.numel()):
+        logits = steps["decode"](model, ids[pos - start].view(1, 1), torch.tensor([pos], device=device))
+    return logits
 
 
 def run_statistics(prompt_length: int, new_tokens: int, prefill_time: float, decode_time: float, caches) -> dict:
@@ -251,6 +302,40 @@ def run_statistics(prompt_length: int, new_tokens: int, prefill_time: float, dec
     }
 
 
+def decode_from(
+    model: Transformer,
+    logits: Tensor,
+    start: int,
+    max_new_tokens: int,
+    steps: dict,
+    terminator_ids=(),
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    callback=None,
+) -> tuple[Tensor, float]:
+    """Samples up to max_new_tokens, the first from `logits`, the next by decode steps from position
+    `start`, stopping after a terminator; returns the tokens and the decode seconds."""
+    device = model.output.weight.device
+    next_token = sample(logits, temperature, top_k)
+    new_tokens = [next_token.view(1)]
+    terminators = torch.tensor(list(terminator_ids) or [-1], device=device)
+    if callback:
+        callback(int(next_token))
+    done = bool(torch.isin(next_token, terminators))
+    decode_start = time.perf_counter()
+    for pos in range(start, start + max_new_tokens - 1):
+        if done:
+            break
+        logits = steps["decode"](model, next_token.view(1, 1), torch.tensor([pos], device=device))
+        next_token = sample(logits, temperature, top_k)
+        new_tokens.append(next_token.view(1))
+        if callback:
+            callback(int(next_token))
+        done = bool(torch.isin(next_token, terminators))
+    synchronize(device)
+    return torch.cat(new_tokens), time.perf_counter() - decode_start
+
+
 @torch.no_grad()
 def generate(
     model: Transformer,
@@ -262,36 +347,93 @@ def generate(
     top_k: int | None = None,
     callback=None,
     steps: dict | None = None,
+    context_length: int | None = None,
+    on_context=None,
 ) -> tuple[Tensor, dict]:
     """Generates up to max_new_tokens after prompt_ids [T]; returns the new tokens and statistics.
 
-    `steps` holds (possibly compiled) prefill/decode functions; `callback(token_id)` streams output.
+    `steps` holds (possibly compiled) prefill/decode functions; `callback(token_id)` streams output;
+    `context_length`: the prompt's first tokens are compressed before the rest is seen (context-only),
+    and `on_context(caches)` sees the caches then (to save them).
+    """
+    steps = steps or STEPS
+    prompt_ids = prompt_ids.reshape(-1).to(model.output.weight.device)
+    prompt_length = prompt_ids.numel()
+    logits, caches, prefill_time = prefill_prompt(
+        model, prompt_ids, max_new_tokens, cache_kwargs, steps, context_length, on_context
+    )
+    sampling = (terminator_ids, temperature, top_k, callback)
+    tokens, decode_time = decode_from(model, logits, prompt_length, max_new_tokens, steps, *sampling)
+    return tokens, run_statistics(prompt_length, len(tokens), prefill_time, decode_time, caches)
+
+
+@torch.no_grad()
+def answer_questions(
+    model: Transformer,
+    context_ids: Tensor,
+    questions: list[Tensor],
+    max_new_tokens: int,
+    cache_kwargs: dict,
+    terminator_ids=(),
+    steps: dict | None = None,
+    question_room: int | None = None,
+    seeds: list[int] | None = None,
+):
+    """Greedy answers to several questions about one context, compressed once (context-only).
+
+    The context is prefilled and compressed with `question_room` slots kept free (default: the
+    longest question's length), and its caches kept in memory; each question starts from them.
+    Yields (new tokens, statistics) per question, as each finishes; the context's prefill time
+    counts a 1/n share to each of the n answers. `seeds`: a torch seed set before each question,
+    so that random eviction in an answer does not depend on which questions came before it.
     """
     steps = steps or STEPS
     device = model.output.weight.device
-    prompt_ids = prompt_ids.reshape(-1).to(device)
-    prompt_length = prompt_ids.numel()
-    logits, caches, prefill_time = prefill_prompt(model, prompt_ids, max_new_tokens, cache_kwargs, steps)
-    next_token = sample(logits, temperature, top_k)
-
-    new_tokens = [next_token.view(1)]
-    terminators = torch.tensor(list(terminator_ids) or [-1], device=device)
-    if callback:
-        callback(int(next_token))
-    done = bool(torch.isin(next_token, terminators))
-    decode_start = time.perf_counter()
-    for pos in range(prompt_length, prompt_length + max_new_tokens - 1):
-        if done:
-            break
-        logits = steps["decode"](model, next_token.view(1, 1), torch.tensor([pos], device=device))
-        next_token = sample(logits, temperature, top_k)
-        new_tokens.append(next_token.view(1))
-        if callback:
-            callback(int(next_token))
-        done = bool(torch.isin(next_token, terminators))
+    context_ids = context_ids.reshape(-1).to(device)
+    context_length = context_ids.numel()
+    room = max(q.numel() for q in questions) if question_room is None else question_room
+    caches = setup_caches(model, cache_kwargs, context_length + room, max_new_tokens)
+    start = time.perf_counter()
+    prefill_through(model, steps, context_ids, caches, cache_kwargs.get("prefill_chunk_size"), reserve=room)
     synchronize(device)
-    decode_time = time.perf_counter() - decode_start
-    tokens = torch.cat(new_tokens)
+    context_share = (time.perf_counter() - start) / len(questions)
+    compressed = cache_state(caches)
+    for i, question in enumerate(questions):
+        load_cache_state(caches, compressed)
+        if seeds is not None:
+            torch.manual_seed(seeds[i])
+        yield answer_from(
+            model, caches, context_length, question, max_new_tokens, cache_kwargs, steps, terminator_ids,
+            prefill_time=context_share,
+        )  # fmt: skip
+
+
+@torch.no_grad()
+def answer_from(
+    model: Transformer,
+    caches: list,
+    context_length: int,
+    question: Tensor,
+    max_new_tokens: int,
+    cache_kwargs: dict,
+    steps: dict,
+    terminator_ids=(),
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    callback=None,
+    prefill_time: float = 0.0,
+) -> tuple[Tensor, dict]:
+    """Prefills a question [Q] after the context the caches hold, then generates; returns the new
+    tokens and statistics (`prefill_time`: seconds already spent on the context, counted in)."""
+    device = model.output.weight.device
+    question = question.reshape(-1).to(device)
+    start = time.perf_counter()
+    logits = prefill_through(model, steps, question, caches, cache_kwargs.get("prefill_chunk_size"), context_length)
+    synchronize(device)
+    prefill_time += time.perf_counter() - start
+    prompt_length = context_length + question.numel()
+    sampling = (terminator_ids, temperature, top_k, callback)
+    tokens, decode_time = decode_from(model, logits, prompt_length, max_new_tokens, steps, *sampling)
     return tokens, run_statistics(prompt_length, len(tokens), prefill_time, decode_time, caches)
 
 
@@ -302,6 +444,7 @@ def score_continuation(
     continuation_ids: Tensor,
     cache_kwargs: dict,
     steps: dict | None = None,
+    context_length: int | None = None,
 ) -> tuple[Tensor, dict]:
     """Natural-log probabilities [C] of each continuation token, teacher-forced through the cache.
 
@@ -316,7 +459,7 @@ def score_continuation(
     prompt_length, n_cont = prompt_ids.numel(), continuation_ids.numel()
     if prompt_length < 1 or n_cont < 1:
         raise ValueError("score_continuation needs at least one prompt and one continuation token")
-    logits, caches, prefill_time = prefill_prompt(model, prompt_ids, n_cont, cache_kwargs, steps)
+    logits, caches, prefill_time = prefill_prompt(model, prompt_ids, n_cont, cache_kwargs, steps, context_length)
     logprobs = [torch.log_softmax(logits.float(), dim=-1)[0, continuation_ids[0]]]
     decode_start = time.perf_counter()
     for i in range(n_cont - 1):

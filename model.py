@@ -205,16 +205,19 @@ class Transformer(nn.Module):
             max_seq_length, self.config.head_dim, self.config.rope_base, self.config.rope_scaling
         ).to(device)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, is_prefill: bool = False, last_only: bool = False) -> Tensor:
+    def forward(
+        self, idx: Tensor, input_pos: Tensor, is_prefill: bool = False, last_only: bool = False, extends: bool = False
+    ) -> Tensor:
         """idx [B, T] at positions input_pos [T]; returns logits [B, T, vocab] in float32.
 
         `last_only` projects only the last position: prefill needs no more, and the T x vocab
-        logits would dominate its memory.
+        logits would dominate its memory. `extends`: a prefill that continues what the caches hold
+        (a later chunk of the prompt) instead of starting them.
         """
         freqs_cis = self.freqs_cis[input_pos]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
-            x = layer(x, input_pos, freqs_cis, is_prefill, idx)
+            x = layer(x, input_pos, freqs_cis, is_prefill, idx, extends)
         if last_only:
             x = x[:, -1:]
         return self.output(self.norm(x), decode=not is_prefill).float()
@@ -232,8 +235,16 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, is_prefill: bool, token_ids: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, input_pos, is_prefill, token_ids)
+    def forward(
+        self,
+        x: Tensor,
+        input_pos: Tensor,
+        freqs_cis: Tensor,
+        is_prefill: bool,
+        token_ids: Tensor,
+        extends: bool = False,
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, input_pos, is_prefill, token_ids, extends)
         return h + self.feed_forward(self.ffn_norm(h), decode=not is_prefill)
 
 
@@ -249,7 +260,13 @@ class Attention(nn.Module):
         self.kv_cache: nn.Module | None = None
 
     def forward(
-        self, x: Tensor, freqs_cis: Tensor, input_pos: Tensor, is_prefill: bool, token_ids: Tensor | None = None
+        self,
+        x: Tensor,
+        freqs_cis: Tensor,
+        input_pos: Tensor,
+        is_prefill: bool,
+        token_ids: Tensor | None = None,
+        extends: bool = False,
     ) -> Tensor:
         """token_ids [B, T] reach the cache for strategies that keep special or punctuation tokens."""
         bsz, seqlen, _ = x.shape
@@ -260,7 +277,9 @@ class Attention(nn.Module):
         qk = apply_rotary_emb(qk.view(bsz, seqlen, self.n_head + self.n_local_heads, self.head_dim), freqs_cis)
         q, k = qk.transpose(1, 2).split([self.n_head, self.n_local_heads], dim=1)
         v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim).transpose(1, 2)
-        if is_prefill:
+        if is_prefill and extends:
+            y = self.kv_cache.attend_chunk(input_pos, q, k, v, token_ids)
+        elif is_prefill:
             y = self.prefill_attention(q, k, v, input_pos, token_ids)
         else:
             y = self.decode_attention(q, k, v, input_pos, token_ids)

@@ -2,6 +2,7 @@
 
 The prompt itself is prefilled with full attention; a compressor only picks the `budget` positions
 (global tokens and the most recent ones always among them) that the cache keeps, in position order.
+Prefilled in chunks, the candidates are what the cache holds plus the chunk, ranked together.
 Like caches, each compressor is a `score()`: higher is kept. A strategy's own compressor lives in
 its module in `strategies/`, registered under the strategy's name.
 """
@@ -22,15 +23,18 @@ class PromptCompressor:
         self.global_tokens = global_tokens
         self.recent_window = recent_window
 
-    def score(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> Tensor:
-        """Importance [B, H or 1, T] of each prompt token."""
-        return input_pos.float().view(1, 1, -1)
+    def score(self, key_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> Tensor:
+        """Importance [B or 1, H or 1, S] of each candidate key k [B, H, S, D] at positions key_pos
+        [B or 1, H or 1, S] (-1: an empty slot). The queries [B, H_q, T, D] are those of the last T
+        candidates: the prompt, or the chunk being prefilled."""
+        return key_pos.float()
 
-    def __call__(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor, budget: int) -> Tensor:
-        """Indices [B, H or 1, budget] of the prompt tokens to keep, sorted by position."""
-        seqlen = k.shape[2]
-        positions = torch.arange(seqlen, device=k.device)
-        protected = (positions < self.global_tokens) | (positions >= seqlen - self.recent_window)
-        score = self.score(input_pos, k, v, query).float()
-        score = torch.where(protected, math.inf, score)
-        return score.topk(budget, dim=-1).indices.sort(dim=-1).values
+    def __call__(self, key_pos: Tensor, k: Tensor, v: Tensor, query: Tensor, budget: int) -> Tensor:
+        """Indices [B or 1, H or 1, budget] of the candidates to keep, in position order, empty slots last."""
+        protected = (key_pos < self.global_tokens) | (key_pos > key_pos[..., -1:] - self.recent_window)
+        score = torch.where(protected, math.inf, self.score(key_pos, k, v, query).float())
+        score = torch.where(key_pos < 0, -math.inf, score)
+        keep = score.topk(budget, dim=-1).indices
+        kept_pos = key_pos.expand_as(score).gather(-1, keep)
+        order = torch.where(kept_pos < 0, torch.iinfo(kept_pos.dtype).max, kept_pos).argsort(dim=-1)
+        return keep.gather(-1, order)

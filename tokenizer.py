@@ -46,6 +46,12 @@ class TokenizerInterface:
             ids = [self.bos_id] + ids
         return ids
 
+    def encode_split(self, text: str, boundary: int) -> tuple[list[int], int]:
+        """Token ids of `text` tokenized as two pieces split at character `boundary`, and the first
+        piece's count: the context ends on a token boundary, so it can be compressed on its own."""
+        head = self.encode(text[:boundary])
+        return head + self.encode(text[boundary:], bos=False), len(head)
+
     def token_id(self, token: str) -> int | None:
         raise NotImplementedError
 

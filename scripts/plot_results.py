@@ -26,13 +26,15 @@ import strategies  # noqa: E402
 
 
 def strategy_label(args: dict) -> str:
-    """Cache strategy plus what distinguishes it: prompt compressor, bits, per-layer patterns."""
+    """Cache strategy plus what distinguishes it: prompt compressor, mode, prefill chunks, bits, per-layer patterns."""
     label = "+".join(used_strategies(args))
     compressors = args.get("prompt_compression_strategy") or [strategies.DEFAULT_COMPRESSOR]
     if not is_baseline(args):
         label += f" (prompt: {'+'.join(compressors)})"
-    if args.get("feed_long_prompts"):
-        label += " fed"
+    if args.get("context_only"):
+        label += " context-only"
+    if args.get("prefill_chunk_size"):
+        label += f" chunks of {args['prefill_chunk_size']}"
     if args.get("cache_bits"):
         label += f" {args['cache_bits']}-bit"
     lengths = args.get("max_cache_length") or [1.0]

@@ -33,7 +33,13 @@ class DebugCache(FullCache):
             self.simulated.update_state(input_pos, k, v, False, attn.unsqueeze(3))
         return super().update_kv(input_pos, k, v, is_prefill, query, **kwargs)
 
+    def attend_chunk(self, input_pos, query, k, v, token_ids=None):
+        self.simulated.attend_chunk(input_pos, query, k, v, token_ids)
+        return super().attend_chunk(input_pos, query, k, v, token_ids)
+
     def update_state(self, input_pos, k, v, is_prefill, attn):
+        if is_prefill:  # the loss is measured on decode steps only
+            return
         held = torch.zeros_like(self.pos, dtype=torch.float)
         simulated_pos = self.simulated.pos
         held.scatter_add_(2, simulated_pos.clamp(min=0), (simulated_pos >= 0).float())  # empties add 0

@@ -9,11 +9,14 @@ class FullCompressor(PromptCompressor):
 
     compresses = False
 
-    def __call__(self, input_pos, k, v, query, budget):
-        raise ValueError(
-            f"prompt of {k.shape[2]} tokens does not fit a {budget}-slot cache with prompt compression 'full'; "
-            "choose another --prompt_compression_strategy"
-        )
+    def __call__(self, key_pos, k, v, query, budget):
+        held = int((key_pos >= 0).sum(-1).max())
+        if held > budget:
+            raise ValueError(
+                f"prompt of {held} tokens does not fit a {budget}-slot cache with prompt compression 'full'; "
+                "choose another --prompt_compression_strategy"
+            )
+        return super().__call__(key_pos, k, v, query, budget)
 
 
 class FullCache(KVCache):

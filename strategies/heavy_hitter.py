@@ -27,15 +27,15 @@ class SnapKVCompressor(PromptCompressor):
 
     head_specific = True
 
-    def score(self, input_pos, k, v, query):
-        bsz, n_head, seqlen, head_dim = query.shape
+    def score(self, key_pos, k, v, query):
+        bsz, n_head, _, head_dim = query.shape
         n_kv = k.shape[1]
-        window = max(1, min(self.recent_window, seqlen))
+        window = max(1, min(self.recent_window, query.shape[2]))
         q = query[:, :, -window:].float().reshape(bsz, n_kv, n_head // n_kv * window, head_dim)
         scores = q @ k.float().transpose(-1, -2) / math.sqrt(head_dim)
-        rows = torch.arange(seqlen - window, seqlen, device=k.device).repeat(n_head // n_kv)
-        causal = torch.arange(seqlen, device=k.device).view(1, -1) <= rows.view(-1, 1)
-        attn = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).mean(dim=2)
+        query_pos = key_pos[..., -window:].unsqueeze(-1)  # the queries are the last candidates
+        visible = ((key_pos.unsqueeze(-2) <= query_pos) & (key_pos.unsqueeze(-2) >= 0)).repeat(1, 1, n_head // n_kv, 1)
+        attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=2)
         return F.avg_pool1d(attn, SNAPKV_POOLING_KERNEL, stride=1, padding=SNAPKV_POOLING_KERNEL // 2)
 
 
@@ -90,8 +90,12 @@ class HeavyHitterCache(KVCache):
         self.step.fill_(1 if slots.shape[-1] else 0)
 
     def update_state(self, input_pos, k, v, is_prefill, attn):
-        attn = attn.mean(dim=2)[:, :, -1].float()  # average the query heads sharing a KV head; 0 on empty slots
-        filled = self.pos >= 0
+        attn = attn.mean(dim=2).float()  # average the query heads sharing a KV head; 0 on empty slots
+        if is_prefill:  # a prompt chunk is one step: each slot's mean over the chunk's queries that saw it
+            seen = ((self.pos.unsqueeze(-2) <= input_pos.view(-1, 1)) & (self.pos.unsqueeze(-2) >= 0)).sum(-2)
+            attn, filled = attn.sum(2) / seen.clamp(min=1), seen > 0
+        else:
+            attn, filled = attn[:, :, -1], self.pos >= 0
         if self.attn_thresholding:
             attn = (attn >= 1.0 / filled.sum(-1, keepdim=True)).float()
         elif self.attn_top_k < 1.0:

@@ -91,11 +91,21 @@ class HybridCache(KVCache):
 
     def update_kv(self, input_pos, k, v, is_prefill=False, query=None, token_ids=None, **kwargs):
         self.new_token_ids = token_ids  # read by insert_state
-        keys, values, filled = super().update_kv(input_pos, k, v, is_prefill, query)
+        keys, values, _ = super().update_kv(input_pos, k, v, is_prefill, query)
         if is_prefill:
             self.profile(input_pos, observation_attention(query, k, self.PROFILE_QUERIES))
         self.kept &= self.policy_mask(input_pos[-1:])
-        return keys, values, filled & self.kept
+        return keys, values, self.held()
+
+    def attend_chunk(self, input_pos, query, k, v, token_ids=None):
+        """The chunk joins every head's kept tokens; then each head's policy drops what it no longer keeps."""
+        self.new_token_ids = token_ids  # read by insert_state
+        out = super().attend_chunk(input_pos, query, k, v, token_ids)
+        self.kept &= self.policy_mask(input_pos[-1:])
+        return out
+
+    def held(self):
+        return (self.pos >= 0) & self.kept
 
     def insert_state(self, slots, k, state):
         """Marks new tokens special/punctuation and kept; token ids arrive with the write."""
@@ -132,7 +142,7 @@ class HybridCache(KVCache):
         self.policy.copy_(good.float().argmax(dim=0))
 
     def update_state(self, input_pos, k, v, is_prefill, attn):
-        self.attn_sum += attn.mean(dim=2)[:, :, -1].float()
+        self.attn_sum += attn.mean(dim=2).sum(dim=2).float()  # over the step's queries: one, or a chunk's
 
     def reset_state(self):
         for name in ("policy", "kept", "is_special", "is_punc", "attn_sum"):

@@ -10,8 +10,8 @@ from prompt_compression import PromptCompressor
 class KeepItOddCompressor(PromptCompressor):
     """At prefill, when the prompt is longer than the cache: odd positions first."""
 
-    def score(self, input_pos, k, v, query):
-        return (input_pos % 2).float().view(1, 1, -1)
+    def score(self, key_pos, k, v, query):
+        return (key_pos % 2).float()
 
 
 class KeepItOddCache(KVCache):

@@ -11,7 +11,7 @@ class L2Compressor(PromptCompressor):
 
     head_specific = True
 
-    def score(self, input_pos, k, v, query):
+    def score(self, key_pos, k, v, query):
         return -k.float().norm(dim=-1)
 
 

@@ -7,7 +7,7 @@ from prompt_compression import PromptCompressor
 
 
 class RandomCompressor(PromptCompressor):
-    def score(self, input_pos, k, v, query):
+    def score(self, key_pos, k, v, query):
         return torch.rand(1, 1, k.shape[2], device=k.device)
 
 

@@ -55,6 +55,7 @@ class Sample:
     options: list[str] | None = None  # multiple choice: exact continuation strings to score
     answer_index: int | None = None  # multiple choice: index of the correct option
     continuation: str | None = None  # perplexity: text teacher-forced after the prompt
+    context_end: int | None = None  # prompt[:context_end] is the context, the rest the question; None: no question
     prompt_tokens: int = 0  # len(tokenizer.encode(prompt))
     total_tokens: int = 0  # prompt + longest option / continuation: what the model must hold
     meta: dict = field(default_factory=dict)
@@ -71,6 +72,7 @@ class Task:
     max_new_tokens = 32
     metrics: tuple[str, ...] = ()
     template = "{context}\n\nQuestion: {question}\nAnswer:"
+    context_field = "context"  # the template field that is the context; what follows it is the question
     columns: tuple[str, ...] = ()  # required columns of a local data file
     list_columns: tuple[str, ...] = ("answers",)  # columns holding a list of strings
     hub: tuple[str, str | None, str] | None = None  # (path, config, split) for datasets.load_dataset
@@ -164,6 +166,15 @@ class Task:
     def prompt(self, row: dict) -> str:
         return self.template.format(**row)
 
+    def context_end(self, row: dict, prompt: str) -> int | None:
+        """Characters of the prompt that are the context, compressed before the question in
+        --context_only mode; None when the prompt has no question apart from its context."""
+        marker = "{" + self.context_field + "}"
+        if marker not in self.template:
+            return None
+        end = len(self.template[: self.template.index(marker) + len(marker)].format(**row))
+        return end if end < len(prompt) else None
+
     def labels(self, row: dict) -> list[str]:
         return list(row["answers"])
 
@@ -186,6 +197,7 @@ class Task:
             options=self.options(row),
             answer_index=row.get("label") if self.kind == "multiple_choice" else None,
             continuation=self.continuation(row),
+            context_end=self.context_end(row, prompt),
             meta=dict(row.get("meta", {})),
         )
         sample.prompt_tokens = len(tokenizer.encode(prompt))

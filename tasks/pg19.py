@@ -55,6 +55,9 @@ class PG19(Task):
     def prompt(self, row):
         return row["prompt"]
 
+    def context_end(self, row, prompt):
+        return None  # book text: all context
+
     def continuation(self, row):
         return row["continuation"]
 

@@ -242,6 +242,53 @@ class RulerNiahMultiQuery(RulerNiah):
     num_keys, num_queries = 4, 4
 
 
+class RulerNiahShared(RulerNiah):
+    """Several needles in one haystack, one question per needle: samples that share a context,
+    which eval.py in context-only mode compresses once and asks every question of."""
+
+    name = "rulerniah_shared"
+    option_defaults: ClassVar[dict] = {**RulerNiah.option_defaults, "questions": 4}
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        if isinstance(self.questions, bool) or not isinstance(self.questions, int) or self.questions < 1:
+            raise ValueError(f"task '{self.name}': questions must be a positive integer, got {self.questions!r}")
+        self._contexts: dict = {}  # (index, seed) -> generated haystack, for self._tokenizer
+        self._tokenizer = None
+
+    def rows(self, tokenizer, data_dir=None, seed=0, num_samples=None):
+        count = num_samples or self.size
+        return [{"index": i // self.questions, "question": i % self.questions} for i in range(count)]
+
+    def expand(self, row, index, tokenizer, seed):
+        if tokenizer is not self._tokenizer:
+            self._contexts, self._tokenizer = {}, tokenizer
+        key = (row["index"], seed)
+        if key not in self._contexts:
+            rng = random.Random(f"{self.name}|{self.seq_length}|{seed}|{row['index']}")
+            self._contexts[key] = self.generate(rng, tokenizer)
+        shared = self._contexts[key]
+        key_asked, value, depth = shared["needles"][row["question"]]
+        group = f"{self.name}-{self.seq_length}-s{seed}-{row['index']}"
+        meta = {**shared["meta"], "group": group, "question": row["question"], "depth": depth}
+        return {"query": key_asked, "answers": [value], "context": shared["context"], "meta": meta}
+
+    def sample_id(self, row, index, seed):
+        return f"{row['meta']['group']}-q{row['meta']['question']}"
+
+    def generate(self, rng, tokenizer):
+        keys = rng.sample([f"{a}-{b}" for a in ADJECTIVES for b in NOUNS], self.questions)
+        values = [str(v) for v in rng.sample(range(1_000_000, 10_000_000), self.questions)]
+        needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
+        order = rng.sample(range(self.questions), self.questions)
+        depths = sorted(rng.random() for _ in needles)
+        longest = max(keys, key=lambda k: len(tokenizer.encode(k)))  # every question's prompt must fit
+        fields = {"query": longest, "answers": []}
+        context, info = self.fill(tokenizer, fields, lambda n: self.insert(n, [needles[j] for j in order], depths))
+        placed = [round(depths[order.index(j)], 4) for j in range(self.questions)]
+        return {"context": context, "needles": list(zip(keys, values, placed)), "meta": info}
+
+
 class RulerVT(HaystackTask):
     """Variable tracking: name every variable a chain of assignments gives a value."""
 
@@ -375,6 +422,7 @@ RULER_TASKS = [
     RulerNiahMultiKey,
     RulerNiahMultiValue,
     RulerNiahMultiQuery,
+    RulerNiahShared,
     RulerVT,
     RulerCWE,
     RulerFWE,

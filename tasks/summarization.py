@@ -43,6 +43,7 @@ class Dolomites(SummarizationTask):
     columns = ("instruction", "input", "answers")
     hub = ("fcdl/dolomites", None, "test")
     template = "{instruction}\n\nInput:\n{input}\n\nOutput:"
+    context_field = "input"
 
     def from_hub(self, row):
         out = dict(row)

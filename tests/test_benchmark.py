@@ -24,7 +24,7 @@ from benchmark_plan import PLAN, QUICK, Config, compute_targets, plan_configs
 from benchmark_report import COLUMNS
 
 ROOT = Path(benchmark.__file__).resolve().parent
-CONTEXTS = dict(short=512, long=4096, memory=8192)
+CONTEXTS = dict(short=512, long=4096, memory=8192, memory_small=1024)
 
 
 def parsed(*argv: str):
@@ -36,7 +36,7 @@ def parsed(*argv: str):
 def test_default_plan_covers_every_target():
     args = parsed()
     configs = set(plan_configs(args))
-    assert args.compare == "hf" and args.bound and args.target_contexts == [512, 4096, 8192] and args.rounds == 2
+    assert args.compare == "hf" and args.bound and args.target_contexts == [512, 4096, 8192, 1024] and args.rounds == 2
     for ctx in (512, 4096):
         for dtype in ("bfloat16", "float32"):
             for mode in ("eager", "compiled"):
@@ -46,6 +46,10 @@ def test_default_plan_covers_every_target():
     assert Config("ours", "heavy_hitter", 0.1, 8192, "bfloat16", "eager", None) in configs
     assert Config("ours", "full", 1.0, 8192, "bfloat16", "eager", None) in configs
     assert Config("ours", "full", 1.0, 4096, "bfloat16", "eager", 4) in configs
+    for ctx in (1024, 8192):
+        for chunk in (512, None):
+            assert Config("ours", "l2", 512, ctx, "bfloat16", "eager", None, chunk) in configs
+    assert Config("ours", "l2", 0.25, 4096, "bfloat16", "eager", None, questions=8) in configs
 
 
 def test_grid_is_a_cartesian_product_and_full_ignores_budgets():
@@ -78,7 +82,7 @@ def test_quick_preset_and_explicit_flags():
     args = parsed("--quick", "--strategies", "full", "--context_lengths", "48")
     configs = plan_configs(args)
     assert configs == [Config("ours", "full", 1.0, 48, "float32", "eager", None)]
-    assert args.target_contexts == [48, 48, 48] and args.decode_steps == QUICK["decode_steps"]
+    assert args.target_contexts == [48, 48, 48, 48] and args.decode_steps == QUICK["decode_steps"]
     assert not args.bound and args.compare == "none" and args.rounds == 1
 
 
@@ -91,6 +95,8 @@ def test_every_target_of_the_plan_has_rows_in_the_default_plan():
     rows += [row(impl="hf", strategy="dynamic", context=ctx, dtype=dtype) for ctx, dtype in hf]
     for r in rows:
         r.update(frac_of_bound=0.5, paired_speedup=1.5 if r["mode"] == "compiled" else None)
+        if r["questions"]:
+            r.update(shared_over_separate=0.3, same_answers=1)
         r["tokens_sha"] = "b" if r["mode"] == "compiled" and r["dtype"] != "float32" else "a"  # a follow-up line too
     lines = compute_targets(rows, CONTEXTS)
     for spec in PLAN["performance"]["targets"]:
@@ -135,6 +141,7 @@ def test_an_empty_grid_stops_before_measuring(capsys):
 def row(**kw) -> dict:
     base = {k: None for k in COLUMNS}
     base.update(impl="ours", strategy="full", budget=1.0, context=512, dtype="bfloat16", mode="eager", error="")
+    base.update(questions=0)
     base.update(decode_tok_s=10.0, prefill_tok_s=100.0, prefill_peak_mib=100.0, cache_mib=10.0, tokens_sha="a")
     base.update(kw)
     return base
@@ -221,6 +228,28 @@ def test_targets_are_ratios_of_this_runs_rows():
     assert f"{sum(t['passed'] for t in judged)}/{len(judged)} passed" in text
 
 
+def test_chunked_prefill_and_question_targets():
+    chunked = dict(strategy="l2", budget=512.0)
+    rows = [
+        row(**chunked, context=1024, chunk=512, prefill_peak_mib=40.0),
+        row(**chunked, context=8192, chunk=512, prefill_peak_mib=46.0, prefill_tok_s=70.0),
+        row(**chunked, context=1024, prefill_peak_mib=50.0),
+        row(**chunked, context=8192, prefill_peak_mib=400.0, prefill_tok_s=100.0),
+        row(strategy="l2", budget=0.25, context=4096, questions=8, shared_over_separate=0.3, same_answers=0),
+    ]
+    targets = by_what(compute_targets(rows, CONTEXTS))
+    bounded = targets["prefill peak memory l2 512 chunk 512 @8192 / @1024 bfloat16 eager"]
+    assert bounded["value"] == pytest.approx(46 / 40) and bounded["passed"]
+    grows = targets["prefill peak memory l2 512 one pass @8192 / @1024 bfloat16 eager"]
+    assert grows["value"] == pytest.approx(8.0) and grows["passed"] is None
+    assert targets["prefill speed l2 512 chunk 512 / one pass @8192 bfloat16 eager"]["value"] == pytest.approx(0.7)
+    shared = targets["8 questions, one compressed context / a prefill each, l2 0.25 @4096 bfloat16 eager"]
+    assert shared["passed"] and shared["value"] == pytest.approx(0.3)
+    assert (
+        targets["8 questions, one compressed context: the same answers as a prefill each (1 = yes)"]["passed"] is False
+    )
+
+
 def test_alternated_medians_calls_the_two_in_turn_and_returns_each_ones_median():
     calls = []
 
@@ -253,7 +282,7 @@ def test_help_describes_the_presets_from_the_plan_file():
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     text = " ".join(result.stdout.split())
-    assert "cache_configs/benchmark/plan.yaml" in text and "--target_contexts SHORT LONG MEMORY" in text
+    assert "cache_configs/benchmark/plan.yaml" in text and "--target_contexts SHORT LONG MEMORY MEMORY_SMALL" in text
     assert f"smoke preset: {' + '.join(QUICK['strategies'])}" in text
 
 
@@ -290,3 +319,23 @@ def test_quick_run_writes_a_csv_of_positive_measurements(smollm2_checkpoint, tmp
     assert 0 < float(compressed["compression_ratio"]) < 1
     traces = list(tmp_path.glob("trace.*.json"))
     assert len(traces) == 2 and "traceEvents" in json.loads(traces[0].read_text())
+
+
+@pytest.mark.slow
+def test_chunked_prefill_and_question_rows(smollm2_checkpoint, tmp_path):
+    out = tmp_path / "bench.csv"
+    cmd = [
+        sys.executable, str(ROOT / "benchmark.py"), "--strategies", "l2", "--budgets", "24", "--context_lengths", "64",
+        "--prefill_chunk_sizes", "none", "16", "--questions", "0", "3", "--dtypes", "float32", "--decode_steps", "3",
+        "--device", "cpu", "--checkpoint_path", str(smollm2_checkpoint), "--csv", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with out.open() as f:
+        rows = {(r["chunk"], r["questions"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {("", "0"), ("16", "0"), ("", "3"), ("16", "3")}
+    assert all(r["error"] == "" for r in rows.values())
+    for chunk in ("", "16"):
+        assert float(rows[chunk, "0"]["prefill_tok_s"]) > 0 and int(rows[chunk, "0"]["cache_slots"]) == 24
+        asked = rows[chunk, "3"]
+        assert asked["same_answers"] == "1" and 0 < float(asked["shared_over_separate"]) < 1

@@ -601,7 +601,7 @@ def test_check_cache_lengths_needs_the_prompt_length():
     check_cache_lengths(kwargs, 2, prompt_length=40, max_new_tokens=60)  # 40 fit in 0.5 * 100 = 56 slots
     with pytest.raises(ValueError, match="does not fit a 56-slot cache"):
         check_cache_lengths(kwargs, 2, prompt_length=60, max_new_tokens=40)
-    kwargs["feed_long_prompts"] = True  # only the first 56 are prefilled, the rest go through decode
+    kwargs["prefill_chunk_size"] = 1  # only the first 56 are prefilled, the rest go through decode
     check_cache_lengths(kwargs, 2, prompt_length=60, max_new_tokens=40)
 
 
