@@ -173,6 +173,19 @@ INPUT_CASES = {
     "unwritable_profile": (["--profile", "/proc/no/trace.json"], "cannot write --profile /proc/no/trace.json"),
     "unwritable_csv": (["--csv", "/proc/no/runs.csv"], "cannot write --csv /proc/no/runs.csv"),
     "csv_is_a_folder": (["--csv", "/tmp"], "--csv /tmp is a folder"),
+    "chunk_zero": (["--prefill_chunk_size", "0"], "--prefill_chunk_size 0 is too small; give at least 1"),
+    "chunk_negative": (["--prefill_chunk_size", "-4"], "--prefill_chunk_size -4 is too small; give at least 1"),
+    "context_only_without_question": (["--context_only"], "--context_only needs --question"),
+    "empty_question": (["--question", " "], "the question is empty"),
+    "save_without_question": (["--save_cache", "/tmp/c.safetensors"], "--save_cache needs --question"),
+    "save_and_load": (["--question", "Q?", "--save_cache", "a", "--load_cache", "b"], "exclude each other"),
+    "load_with_prompt": (["--question", "Q?", "--load_cache", "a", "--prompt", "x"], "--load_cache takes no --prompt"),
+    "load_missing": (["--question", "Q?", "--load_cache", "/nonexistent/c.safetensors"], "not found"),
+    "save_unwritable": (["--question", "Q?", "--save_cache", "/proc/no/c.safetensors"], "cannot write --save_cache"),
+    "question_leaves_no_room": (
+        ["--question", "Q? " * 40, "--context_only", "--cache_strategy", "l2", "--max_cache_length", "16"],
+        "leaves no room for the context",
+    ),
 }
 
 
