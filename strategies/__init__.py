@@ -12,9 +12,11 @@ from strategies.full import FullCache
 from strategies.heavy_hitter import HeavyHitterCache
 from strategies.hybrid import HybridCache
 from strategies.keep_it_odd import KeepItOddCache
+from strategies.keydiff import KeyDiffCache
 from strategies.l2 import L2Cache
 from strategies.random import RandomCache
 from strategies.recent_global import RecentGlobalCache
+from strategies.tova import TovaCache
 
 STRATEGIES: dict[str, type[KVCache]] = {
     "full": FullCache,
@@ -24,6 +26,8 @@ STRATEGIES: dict[str, type[KVCache]] = {
     "heavy_hitter": HeavyHitterCache,
     "keep_it_odd": KeepItOddCache,
     "hybrid": HybridCache,
+    "tova": TovaCache,
+    "keydiff": KeyDiffCache,
 }
 DEFAULT_STRATEGY = "full"
 DEFAULT_COMPRESSOR = "recent_global"

@@ -1,0 +1,62 @@
+"""tova (TOVA, Oren et al. 2024): keeps the tokens the current query attends to most, per head.
+
+The score is the attention from the latest query alone, no history: each decode step the slot the
+previous step's query attended to least is overwritten. As a prompt compressor it ranks the prompt
+by the attention of its last query.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+from cache import KVCache
+from prompt_compression import PromptCompressor
+
+
+def last_query_attention(key_pos: Tensor, k: Tensor, query: Tensor) -> Tensor:
+    """Attention [B, H_kv, S] from the last query to keys k [B, H_kv, S, D] at key_pos (-1: empty),
+    averaged over the query heads that share each KV head."""
+    bsz, n_head, _, head_dim = query.shape
+    n_kv = k.shape[1]
+    q = query[:, :, -1].float().view(bsz, n_kv, n_head // n_kv, head_dim)
+    scores = q @ k.float().transpose(-1, -2) / math.sqrt(head_dim)
+    scores = scores.masked_fill((key_pos < 0).unsqueeze(-2), float("-inf"))
+    return torch.softmax(scores, dim=-1).mean(dim=2)
+
+
+class TovaCompressor(PromptCompressor):
+    """The attention of the last query, per head."""
+
+    head_specific = True
+
+    def score(self, key_pos, k, v, query):
+        return last_query_attention(key_pos, k, query)
+
+
+class TovaCache(KVCache):
+    name = "tova"
+    head_specific = True
+    needs_attention = True
+    natural_compressor = "tova"
+    prompt_compressor_class = TovaCompressor
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("last_attention", torch.zeros(self.pos.shape, dtype=torch.float32))
+
+    def score(self, input_pos):
+        return self.last_attention
+
+    def prefill_state(self, input_pos, k, v, query, keep):
+        received = last_query_attention(input_pos.view(1, 1, -1), k, query)
+        return {"attn": received if keep is None else received.gather(2, keep)}
+
+    def insert_state(self, slots, k, state):
+        self.write_slots(self.last_attention, slots, state.get("attn", 0.0))
+
+    def update_state(self, input_pos, k, v, is_prefill, attn):
+        self.last_attention.copy_(attn[:, :, :, -1].float().mean(dim=2))
+
+    def reset_state(self):
+        self.last_attention.zero_()

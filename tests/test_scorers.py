@@ -1,0 +1,106 @@
+"""The field's scorers against plain-Python references on random tensors: the slots each cache keeps
+per head when it compresses a prompt, and the slot it overwrites at a decode step."""
+
+import math
+
+import pytest
+import torch
+
+import strategies
+from cache_args import default_cache_kwargs
+
+HEADS, GROUP, HEAD_DIM, LENGTH, PROMPT, GLOBAL, RECENT = 2, 2, 8, 12, 30, 2, 3
+
+
+def new_cache(name: str):
+    kwargs = default_cache_kwargs(global_tokens=GLOBAL, recent_window=RECENT)
+    return strategies.new_cache(name, name, (1, HEADS, HEAD_DIM), LENGTH, PROMPT + 4, torch.float32, kwargs)
+
+
+def random_prompt(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, HEADS, PROMPT, HEAD_DIM, generator=generator)
+    v = torch.randn(1, HEADS, PROMPT, HEAD_DIM, generator=generator)
+    q = torch.randn(1, HEADS * GROUP, PROMPT, HEAD_DIM, generator=generator)
+    return q, k, v
+
+
+def dot(a, b) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def softmax(xs: list[float]) -> list[float]:
+    top = max(xs)
+    exps = [math.exp(x - top) for x in xs]
+    return [e / sum(exps) for e in exps]
+
+
+def tova_reference(q, k, head: int, positions: list[int]) -> dict[int, float]:
+    """Attention from the last query to each position, averaged over the head's query heads."""
+    received = dict.fromkeys(positions, 0.0)
+    for g in range(GROUP):
+        query = q[0, head * GROUP + g, -1].tolist()
+        probs = softmax([dot(query, k[0, head, p].tolist()) / math.sqrt(HEAD_DIM) for p in positions])
+        for p, prob in zip(positions, probs):
+            received[p] += prob / GROUP
+    return received
+
+
+def keydiff_reference(q, k, head: int, positions: list[int]) -> dict[int, float]:
+    """Minus the cosine of each key with the mean of the normalised keys."""
+    unit = {p: [x / math.sqrt(dot(k[0, head, p].tolist(), k[0, head, p].tolist())) for x in k[0, head, p].tolist()]
+            for p in positions}  # fmt: skip
+    anchor = [sum(unit[p][d] for p in positions) / len(positions) for d in range(HEAD_DIM)]
+    norm = math.sqrt(dot(anchor, anchor))
+    return {p: -dot(unit[p], anchor) / norm for p in positions}
+
+
+REFERENCES = {"tova": tova_reference, "keydiff": keydiff_reference}
+
+
+def kept_by_reference(scores: dict[int, float], budget: int, last: int) -> list[int]:
+    """Global tokens and the last RECENT positions, then the highest scores."""
+    protected = [p for p in scores if p < GLOBAL or p > last - RECENT]
+    rest = sorted((p for p in scores if p not in protected), key=lambda p: -scores[p])
+    return sorted(protected + rest[: budget - len(protected)])
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_prompt_compression_keeps_the_reference_slots(name):
+    q, k, v = random_prompt()
+    cache = new_cache(name)
+    cache.attend_prompt(torch.arange(PROMPT), q, k, v)
+    for head in range(HEADS):
+        scores = REFERENCES[name](q, k, head, list(range(PROMPT)))
+        held = [p for p in cache.pos[0, head].tolist() if p >= 0]
+        assert held == kept_by_reference(scores, LENGTH, PROMPT - 1), head
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_a_decode_step_overwrites_the_reference_slot(name):
+    q, k, v = random_prompt(seed=1)
+    cache = new_cache(name)
+    cache.attend_prompt(torch.arange(PROMPT), q, k, v)
+    held = [[p for p in cache.pos[0, h].tolist()] for h in range(HEADS)]
+    new_k, new_v = torch.randn(1, HEADS, 1, HEAD_DIM), torch.randn(1, HEADS, 1, HEAD_DIM)
+    cache.update_kv(torch.tensor([PROMPT]), new_k, new_v, query=q[:, :, -1:])
+    for head in range(HEADS):
+        if name == "tova":  # the last prompt query's attention over the whole prompt, kept tokens' share
+            scores = tova_reference(q, k, head, list(range(PROMPT)))
+            scores = {p: scores[p] for p in held[head]}
+        else:
+            scores = REFERENCES[name](q, k, head, held[head])
+        evictable = [p for p in held[head] if GLOBAL <= p < PROMPT - RECENT]
+        evicted = min(evictable, key=lambda p: scores[p])
+        after = cache.pos[0, head].tolist()
+        assert sorted(after) == sorted([p for p in held[head] if p != evicted] + [PROMPT]), head
+
+
+def test_tova_scores_with_the_latest_query_only():
+    """After a decode step's attention, the scores are that step's attention alone, not a sum."""
+    q, k, v = random_prompt(seed=2)
+    cache = new_cache("tova")
+    cache.attend_prompt(torch.arange(PROMPT), q, k, v)
+    attn = torch.softmax(torch.randn(1, HEADS, GROUP, 1, LENGTH), dim=-1)
+    cache.update_state(torch.tensor([PROMPT]), None, None, False, attn)
+    assert torch.allclose(cache.score(torch.tensor([PROMPT + 1])), attn[:, :, :, -1].mean(dim=2))
