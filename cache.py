@@ -117,6 +117,7 @@ class KVCache(nn.Module):
     ):
         super().__init__()
         self.max_cache_length = max_cache_length
+        self.head_dim = head_dim
         self.global_tokens = global_tokens
         self.recent_window = resolve_recent_window(recent_window, max_cache_length, global_tokens)
         self.cache_bits = cache_bits
@@ -159,6 +160,13 @@ class KVCache(nn.Module):
 
     def reset_state(self) -> None:
         """Clears strategy state between examples."""
+
+    def set_rope_frequencies(self, frequencies: Tensor) -> None:
+        """The model's rotary angle per position of each pair of dimensions [D / 2], for scorers
+        that model queries at future positions (the model sets it with the caches)."""
+        self.rope_frequencies = frequencies
+        if self.prompt_compressor is not None:
+            self.prompt_compressor.rope_frequencies = frequencies
 
     # -- the shared mechanics ---------------------------------------------------------------
     def reset(self) -> None:

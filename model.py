@@ -198,9 +198,12 @@ class Transformer(nn.Module):
         """Installs one KV cache per layer (built by cache.create_caches) and the RoPE table."""
         if len(caches) != len(self.layers):
             raise ValueError(f"got {len(caches)} caches for {len(self.layers)} layers")
+        device = self.output.weight.device
+        frequencies = rope_frequencies(self.config.head_dim, self.config.rope_base, self.config.rope_scaling)
         for layer, cache in zip(self.layers, caches):
             layer.attention.kv_cache = cache
-        device = self.output.weight.device
+            if cache is not None:
+                cache.set_rope_frequencies(frequencies.float().to(device))
         self.freqs_cis = precompute_freqs_cis(
             max_seq_length, self.config.head_dim, self.config.rope_base, self.config.rope_scaling
         ).to(device)
@@ -405,10 +408,16 @@ def apply_rope_scaling(freqs: Tensor, rope_scaling: dict) -> Tensor:
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
-def precompute_freqs_cis(seq_len: int, n_elem: int, base: float, rope_scaling: dict | None = None) -> Tensor:
+def rope_frequencies(n_elem: int, base: float, rope_scaling: dict | None = None) -> Tensor:
+    """The rotary angle per position of each of the n_elem / 2 pairs, float64."""
     freqs = 1.0 / (base ** (torch.arange(0, n_elem, 2, dtype=torch.float64)[: n_elem // 2] / n_elem))
     if rope_scaling and rope_scaling.get("rope_type", "llama3") == "llama3":
         freqs = apply_rope_scaling(freqs, rope_scaling)
+    return freqs
+
+
+def precompute_freqs_cis(seq_len: int, n_elem: int, base: float, rope_scaling: dict | None = None) -> Tensor:
+    freqs = rope_frequencies(n_elem, base, rope_scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
     return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).float()
 

@@ -8,6 +8,7 @@ facts each class declares. Adding a strategy is one module, one line here and a 
 from cache import SHARED_PARAMS, KVCache, Param, resolve_recent_window
 from prompt_compression import PromptCompressor
 from strategies.debug import DebugCache
+from strategies.expected_attention import ExpectedAttentionCache
 from strategies.full import FullCache
 from strategies.heavy_hitter import HeavyHitterCache
 from strategies.hybrid import HybridCache
@@ -28,6 +29,7 @@ STRATEGIES: dict[str, type[KVCache]] = {
     "hybrid": HybridCache,
     "tova": TovaCache,
     "keydiff": KeyDiffCache,
+    "expected_attention": ExpectedAttentionCache,
 }
 DEFAULT_STRATEGY = "full"
 DEFAULT_COMPRESSOR = "recent_global"

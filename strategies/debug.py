@@ -48,6 +48,10 @@ class DebugCache(FullCache):
         self.attention_loss.index_put_((self.steps,), lost_mass.mean())
         self.steps.add_(1)
 
+    def set_rope_frequencies(self, frequencies):
+        super().set_rope_frequencies(frequencies)
+        self.simulated.set_rope_frequencies(frequencies)
+
     def reset_state(self):
         self.simulated.reset()
         self.attention_loss.zero_()

@@ -8,13 +8,18 @@ import torch
 
 import strategies
 from cache_args import default_cache_kwargs
+from model import apply_rotary_emb, precompute_freqs_cis, rope_frequencies
+from strategies.expected_attention import FUTURE_POSITIONS, QUERY_WINDOW, unrotate
 
 HEADS, GROUP, HEAD_DIM, LENGTH, PROMPT, GLOBAL, RECENT = 2, 2, 8, 12, 30, 2, 3
+ROPE_BASE = 100.0  # angles that turn visibly within the prompt
 
 
 def new_cache(name: str):
     kwargs = default_cache_kwargs(global_tokens=GLOBAL, recent_window=RECENT)
-    return strategies.new_cache(name, name, (1, HEADS, HEAD_DIM), LENGTH, PROMPT + 4, torch.float32, kwargs)
+    cache = strategies.new_cache(name, name, (1, HEADS, HEAD_DIM), LENGTH, PROMPT + 4, torch.float32, kwargs)
+    cache.set_rope_frequencies(rope_frequencies(HEAD_DIM, ROPE_BASE).float())
+    return cache
 
 
 def random_prompt(seed: int = 0):
@@ -55,6 +60,47 @@ def keydiff_reference(q, k, head: int, positions: list[int]) -> dict[int, float]
     return {p: -dot(unit[p], anchor) / norm for p in positions}
 
 
+def rotate(x: list[float], angles: list[float]) -> list[float]:
+    """The rotary embedding of one vector: pairs (x[i], x[i + D/2]) turned by angles[i]."""
+    half = len(x) // 2
+    first = [x[i] * math.cos(a) - x[half + i] * math.sin(a) for i, a in enumerate(angles)]
+    return first + [x[half + i] * math.cos(a) + x[i] * math.sin(a) for i, a in enumerate(angles)]
+
+
+def expected_attention_reference(q, k, head: int, positions: list[int], v=None) -> dict[int, float]:
+    """The Gaussian of the head's unrotated recent queries, each future position's rotation applied to
+    the mean and covariance and averaged, exp(mu.k/sqrt(d) + k'Sk/(2d)) normalised, times |v|."""
+    freqs = rope_frequencies(HEAD_DIM, ROPE_BASE).tolist()
+    recent = range(max(0, PROMPT - QUERY_WINDOW), PROMPT)
+    samples = [
+        rotate(q[0, head * GROUP + g, t].tolist(), [-t * f for f in freqs]) for g in range(GROUP) for t in recent
+    ]
+    n = len(samples)
+    mu = [sum(s[d] for s in samples) / n for d in range(HEAD_DIM)]
+    cov = [
+        [sum((s[a] - mu[a]) * (s[b] - mu[b]) for s in samples) / n for b in range(HEAD_DIM)] for a in range(HEAD_DIM)
+    ]
+    rotation = [[0.0] * HEAD_DIM for _ in range(HEAD_DIM)]  # the mean of the future rotations, column by column
+    for p in range(PROMPT, PROMPT + FUTURE_POSITIONS):
+        for col in range(HEAD_DIM):
+            unit = [1.0 if d == col else 0.0 for d in range(HEAD_DIM)]
+            turned = rotate(unit, [p * f for f in freqs])
+            for row in range(HEAD_DIM):
+                rotation[row][col] += turned[row] / FUTURE_POSITIONS
+    mu = [dot(rotation[r], mu) for r in range(HEAD_DIM)]
+    cov_r = [[dot(cov[a], rotation[b]) for b in range(HEAD_DIM)] for a in range(HEAD_DIM)]  # cov R'
+    cov = [
+        [sum(rotation[a][c] * cov_r[c][b] for c in range(HEAD_DIM)) for b in range(HEAD_DIM)] for a in range(HEAD_DIM)
+    ]
+    logits = {}
+    for p in positions:
+        key = k[0, head, p].tolist()
+        quadratic = sum(key[a] * cov[a][b] * key[b] for a in range(HEAD_DIM) for b in range(HEAD_DIM))
+        logits[p] = dot(mu, key) / math.sqrt(HEAD_DIM) + quadratic / (2 * HEAD_DIM)
+    probs = softmax(list(logits.values()))
+    return {p: prob * math.sqrt(dot(v[0, head, p].tolist(), v[0, head, p].tolist())) for p, prob in zip(logits, probs)}
+
+
 REFERENCES = {"tova": tova_reference, "keydiff": keydiff_reference}
 
 
@@ -74,6 +120,20 @@ def test_prompt_compression_keeps_the_reference_slots(name):
         scores = REFERENCES[name](q, k, head, list(range(PROMPT)))
         held = [p for p in cache.pos[0, head].tolist() if p >= 0]
         assert held == kept_by_reference(scores, LENGTH, PROMPT - 1), head
+
+
+def test_expected_attention_prompt_compression_keeps_the_reference_slots():
+    q, k, v = random_prompt(seed=3)
+    positions = torch.arange(PROMPT)
+    freqs_cis = precompute_freqs_cis(PROMPT, HEAD_DIM, ROPE_BASE)
+    q, k = (apply_rotary_emb(x.transpose(1, 2), freqs_cis).transpose(1, 2) for x in (q, k))  # as the model hands them
+    cache = new_cache("expected_attention")
+    cache.attend_prompt(positions, q, k, v)
+    for head in range(HEADS):
+        scores = expected_attention_reference(q, k, head, list(range(PROMPT)), v)
+        held = [p for p in cache.pos[0, head].tolist() if p >= 0]
+        assert held == kept_by_reference(scores, LENGTH, PROMPT - 1), head
+    assert torch.allclose(unrotate(q, positions, cache.rope_frequencies), random_prompt(seed=3)[0], atol=1e-5)
 
 
 @pytest.mark.parametrize("name", REFERENCES)

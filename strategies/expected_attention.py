@@ -1,0 +1,121 @@
+"""expected_attention (Expected Attention, kvpress 2025): keeps the tokens that future queries are
+expected to attend to, per head.
+
+The queries of a KV head's query heads, taken back before the rotary embedding, are modelled as one
+Gaussian (mean and covariance); its rotation is averaged over the next FUTURE_POSITIONS positions.
+For a Gaussian query q ~ N(mu, S) the expected unnormalised attention to key k is
+exp(mu.k / sqrt(d) + k'Sk / (2d)); a token's score is that, normalised over the candidates, times the
+norm of its value. The statistics come from the prompt's last QUERY_WINDOW queries, then, during
+decode, from every new query, older ones fading with a window of QUERY_WINDOW positions: the only
+state is the running moments, nothing is downloaded.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+from cache import KVCache
+from prompt_compression import PromptCompressor
+
+FUTURE_POSITIONS = 512
+QUERY_WINDOW = 128
+
+
+def unrotate(query: Tensor, positions: Tensor, frequencies: Tensor) -> Tensor:
+    """Queries [B, H, T, D] at positions [T] before the rotary embedding (pairs x[i], x[i + D/2])."""
+    angles = positions.double().view(-1, 1) * frequencies.double()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    half = query.shape[-1] // 2
+    x1, x2 = query.float()[..., :half], query.float()[..., half:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def average_rotation(next_pos: Tensor, frequencies: Tensor) -> Tensor:
+    """The rotary rotation [D, D] averaged over positions next_pos .. next_pos + FUTURE_POSITIONS - 1."""
+    positions = next_pos.double().view(-1)[:1] + torch.arange(FUTURE_POSITIONS, device=frequencies.device)
+    angles = positions.view(-1, 1) * frequencies.double()
+    cos, sin = torch.diag(angles.cos().mean(0)).float(), torch.diag(angles.sin().mean(0)).float()
+    return torch.cat([torch.cat([cos, -sin], dim=1), torch.cat([sin, cos], dim=1)], dim=0)
+
+
+def query_samples(query: Tensor, positions: Tensor, frequencies: Tensor, n_kv: int) -> Tensor:
+    """The last QUERY_WINDOW positions' queries, unrotated, as samples of their KV head [B, H_kv, n, D]."""
+    query, positions = query[:, :, -QUERY_WINDOW:], positions[-QUERY_WINDOW:]
+    bsz, n_head, n, head_dim = query.shape
+    return unrotate(query, positions, frequencies).reshape(bsz, n_kv, n_head // n_kv * n, head_dim)
+
+
+def expected_attention(key_pos, keys, values, mean, second, next_pos, frequencies) -> Tensor:
+    """Scores [B, H, S] of keys/values [B, H, S, D] at key_pos (-1: empty) for queries of mean [B, H, D]
+    and second moment [B, H, D, D] (unrotated), rotated as the next positions will be."""
+    covariance = second - mean.unsqueeze(-1) * mean.unsqueeze(-2)
+    rotation = average_rotation(next_pos, frequencies)
+    mean, covariance = mean @ rotation.T, rotation @ covariance @ rotation.T
+    k = keys.float()
+    head_dim = k.shape[-1]
+    logits = (k @ mean.unsqueeze(-1)).squeeze(-1) / math.sqrt(head_dim)
+    logits = logits + ((k @ covariance) * k).sum(-1) / (2 * head_dim)
+    logits = logits.masked_fill(key_pos < 0, float("-inf"))
+    return torch.softmax(logits, dim=-1) * values.float().norm(dim=-1)
+
+
+class ExpectedAttentionCompressor(PromptCompressor):
+    """The attention the next positions' queries are expected to give, from the prompt's own queries."""
+
+    head_specific = True
+    rope_frequencies: Tensor | None = None  # set with the model's caches
+
+    def score(self, key_pos, k, v, query):
+        positions = key_pos.reshape(-1, key_pos.shape[-1])[0, -query.shape[2] :]
+        samples = query_samples(query, positions, self.rope_frequencies, k.shape[1])
+        mean = samples.mean(dim=2)
+        second = samples.transpose(-1, -2) @ samples / samples.shape[2]
+        return expected_attention(key_pos, k, v, mean, second, positions[-1:] + 1, self.rope_frequencies)
+
+
+class ExpectedAttentionCache(KVCache):
+    """Keeps running query moments per KV head; each step scores what the cache holds afresh."""
+
+    name = "expected_attention"
+    head_specific = True
+    natural_compressor = "expected_attention"
+    prompt_compressor_class = ExpectedAttentionCompressor
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        bsz, n_heads, _ = self.pos.shape
+        head_dim = self.head_dim
+        # Stored [D or D x D, B, H] so that no moment has the [B, H, L] shape of a per-slot buffer.
+        self.register_buffer("query_sum", torch.zeros(head_dim, bsz, n_heads))
+        self.register_buffer("query_outer_sum", torch.zeros(head_dim, head_dim, bsz, n_heads))
+        self.register_buffer("query_weight", torch.zeros(()))
+
+    def record_queries(self, input_pos: Tensor, query: Tensor) -> None:
+        """Adds the queries [B, H_q, T, D] at input_pos [T] to the moments; older ones fade."""
+        samples = query_samples(query, input_pos, self.rope_frequencies, self.pos.shape[1])
+        n, group = samples.shape[2], query.shape[1] // self.pos.shape[1]
+        fade = (1 - 1 / (QUERY_WINDOW * group)) ** n
+        self.query_sum.mul_(fade).add_(samples.sum(dim=2).permute(2, 0, 1))
+        self.query_outer_sum.mul_(fade).add_((samples.transpose(-1, -2) @ samples).permute(2, 3, 0, 1))
+        self.query_weight.mul_(fade).add_(n)
+
+    def update_kv(self, input_pos, k, v, is_prefill=False, query=None, **kwargs):
+        self.record_queries(input_pos, query)
+        return super().update_kv(input_pos, k, v, is_prefill, query, **kwargs)
+
+    def attend_chunk(self, input_pos, query, k, v, token_ids=None):
+        self.record_queries(input_pos, query)
+        return super().attend_chunk(input_pos, query, k, v, token_ids)
+
+    def score(self, input_pos):
+        weight = self.query_weight.clamp(min=1)
+        mean = self.query_sum.permute(1, 2, 0) / weight
+        second = self.query_outer_sum.permute(2, 3, 0, 1) / weight
+        keys, values = self.dense()
+        return expected_attention(self.pos, keys, values, mean, second, input_pos, self.rope_frequencies)
+
+    def reset_state(self):
+        self.query_sum.zero_()
+        self.query_outer_sum.zero_()
+        self.query_weight.zero_()
