@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import attention_with_probs
+from model import attention_with_probs, rope_frequencies
 from quantization_utils import SUPPORTED_BITS, QuantizedTensor, dequantize, packed_dim, quantize
 
 PATTERNS = ("tile", "repeat", "pyramid", "funnel")
@@ -81,6 +81,7 @@ class KVCache(nn.Module):
     needs_attention = False  # update_state receives the decode step's attention probabilities
     spans_sequence = False  # its length is the whole sequence: only --max_cache_length 1.0
     baseline = False  # keeps every token: what the others are compared against
+    reconstructs_context = False  # scores the context by the attention of a reconstruction pass (kvzip)
     compiles = True
     natural_compressor = None  # the prompt compressor for it in sweeps and benchmarks (None: the default one)
     prompt_compressor_class = None  # its own compressor, registered under its name
@@ -124,6 +125,8 @@ class KVCache(nn.Module):
         self.dtype = dtype
         self.prompt_compressor = prompt_compressor
         self.reserved_slots = 0  # kept free at prefill for tokens still to come (context-only: the question)
+        self.peeking = False
+        self.rope_frequencies = rope_frequencies(head_dim, 10000.0).float()  # until the model sets its own
         shape = (max_batch_size, n_heads, max_cache_length)
         if cache_bits is None:
             self.register_buffer("k_cache", torch.zeros(*shape, head_dim, dtype=dtype))
@@ -215,8 +218,22 @@ class KVCache(nn.Module):
     def attend_chunk(self, input_pos: Tensor, query: Tensor, k: Tensor, v: Tensor, token_ids=None) -> Tensor:
         """A later piece of the prompt, k/v [B, H, N, D] at input_pos [N]: its queries attend to what
         the cache holds and to the chunk (causally); then the held tokens and the chunk's compete for
-        the slots, ranked together by the prompt compressor as it ranks a whole prompt. Returns the
-        chunk's attention output [B, H_q, N, D]."""
+        the slots, ranked together by the prompt compressor as it ranks a whole prompt. While
+        `peeking` (a reconstruction pass) the chunk is read and dropped. Returns the chunk's
+        attention output [B, H_q, N, D]."""
+        length = self.max_cache_length
+        originals, out, keys, values = self.join_chunk(input_pos, query, k, v)
+        if self.peeking:
+            keep = torch.arange(length, device=k.device).view(1, 1, -1)
+        else:
+            budget = length - self.reserved_slots
+            keep = self.prompt_compressor(self.pos, keys, values, query, budget)
+        self.narrow(originals, keep.expand(*k.shape[:2], -1))
+        return out
+
+    def join_chunk(self, input_pos: Tensor, query: Tensor, k: Tensor, v: Tensor) -> tuple:
+        """Widens the cache by the chunk, writes it and attends; returns the original buffers, the
+        attention output [B, H_q, N, D] and the keys and values attended to."""
         bsz, n_kv, n, head_dim = k.shape
         group = query.shape[1] // n_kv
         held_keys, held_values = self.dense()
@@ -228,15 +245,24 @@ class KVCache(nn.Module):
         visible = self.held().unsqueeze(-2) & (self.pos.unsqueeze(-2) <= input_pos.view(-1, 1))  # [B, H, N, S]
         q = query.reshape(bsz, n_kv, group * n, head_dim)
         mask = visible.repeat(1, 1, group, 1)
-        if self.return_attn():
+        if self.return_attn() and (self.reconstructs_context or not self.peeking):
             out, attn = attention_with_probs(q, keys, values, mask)
             self.update_state(input_pos, k, v, True, attn.view(bsz, n_kv, group, n, -1))
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        budget = self.max_cache_length - n - self.reserved_slots
-        keep = self.prompt_compressor(self.pos, keys, values, query, budget)
-        self.narrow(originals, keep.expand(bsz, n_kv, -1))
-        return out.view(bsz, n_kv * group, n, head_dim)
+        return originals, out.view(bsz, n_kv * group, n, head_dim), keys, values
+
+    def reconstruction_prompt(self) -> list[int] | None:
+        """The tokens asking to repeat the context, when the cache holds a whole context awaiting
+        a reconstruction pass to score it (kvzip); None otherwise."""
+        return None
+
+    def finish_reconstruction(self) -> None:
+        """After the reconstruction pass: compress to the budget by what it recorded."""
+
+    def set_peeking(self, peeking: bool) -> None:
+        """During a reconstruction pass chunks are attended and dropped (see attend_chunk)."""
+        self.peeking = peeking
 
     def per_slot_buffers(self) -> list[str]:
         """Names of the buffers indexed [batch, head, slot, ...]: the tokens and their state."""
@@ -250,7 +276,7 @@ class KVCache(nn.Module):
         """Appends n empty slots to every per-slot buffer, for a chunk to join; returns the originals."""
         originals = {name: getattr(self, name) for name in self.per_slot_buffers()}
         for name, buffer in originals.items():
-            extra = torch.full_like(buffer[:, :, :n], -1 if name == "pos" else 0)
+            extra = buffer.new_full((*buffer.shape[:2], n, *buffer.shape[3:]), -1 if name == "pos" else 0)
             setattr(self, name, torch.cat([buffer, extra], dim=2))
         self.set_length(self.max_cache_length + n)
         return originals

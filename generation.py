@@ -282,11 +282,40 @@ def prefill_through(
     for begin, end in passes:
         positions = torch.arange(begin, end, device=device)
         logits = steps["prefill"](model, ids[begin - start : end - start].view(1, -1), positions, begin > 0)
+    request = next((r for r in (c.reconstruction_prompt() for c in caches) if r is not None), None)
+    if request is not None:
+        reconstruct_context(model, steps, request, ids[: fed - start], fed, caches)
     for cache in caches:
         cache.reserved_slots = 0
     for pos in range(fed, start + ids.numel()):
         logits = steps["decode"](model, ids[pos - start].view(1, 1), torch.tensor([pos], device=device))
     return logits
+
+
+RECONSTRUCTION_CHUNK = 512
+
+
+def reconstruct_context(model: Transformer, steps: dict, request: list[int], context: Tensor, end: int, caches):
+    """KVzip's scoring pass, for caches holding a whole context that does not fit them: the model
+    reads `request` (ask to repeat the context) and the context again, teacher-forced in chunks at
+    positions from `end`. Every cache attends to these tokens without keeping them; those waiting
+    record the attention each context token receives, then compress to their budget."""
+    device = model.output.weight.device
+    tokens = torch.cat([torch.tensor(request, dtype=torch.long, device=device), context])
+    if model.freqs_cis.shape[0] < end + tokens.numel():
+        model.setup_caches(caches, end + tokens.numel())
+    try:
+        for cache in caches:
+            cache.set_peeking(True)
+        for begin in range(0, tokens.numel(), RECONSTRUCTION_CHUNK):
+            piece = tokens[begin : begin + RECONSTRUCTION_CHUNK]
+            positions = torch.arange(end + begin, end + begin + piece.numel(), device=device)
+            steps["prefill"](model, piece.view(1, -1), positions, True)
+    finally:
+        for cache in caches:
+            cache.set_peeking(False)
+    for cache in caches:
+        cache.finish_reconstruction()
 
 
 def run_statistics(prompt_length: int, new_tokens: int, prefill_time: float, decode_time: float, caches) -> dict:

@@ -31,8 +31,13 @@ class PromptCompressor:
 
     def __call__(self, key_pos: Tensor, k: Tensor, v: Tensor, query: Tensor, budget: int) -> Tensor:
         """Indices [B or 1, H or 1, budget] of the candidates to keep, in position order, empty slots last."""
-        protected = (key_pos < self.global_tokens) | (key_pos > key_pos[..., -1:] - self.recent_window)
-        score = torch.where(protected, math.inf, self.score(key_pos, k, v, query).float())
+        return self.keep_top(key_pos, self.score(key_pos, k, v, query), budget)
+
+    def keep_top(self, key_pos: Tensor, score: Tensor, budget: int) -> Tensor:
+        """The global tokens, the most recent and then the highest scores, as `__call__` returns them."""
+        last = key_pos.amax(dim=-1, keepdim=True)
+        protected = (key_pos < self.global_tokens) | (key_pos > last - self.recent_window)
+        score = torch.where(protected, math.inf, score.float())
         score = torch.where(key_pos < 0, -math.inf, score)
         keep = score.topk(budget, dim=-1).indices
         kept_pos = key_pos.expand_as(score).gather(-1, keep)

@@ -14,6 +14,7 @@ from strategies.heavy_hitter import HeavyHitterCache
 from strategies.hybrid import HybridCache
 from strategies.keep_it_odd import KeepItOddCache
 from strategies.keydiff import KeyDiffCache
+from strategies.kvzip import KVzipCache
 from strategies.l2 import L2Cache
 from strategies.random import RandomCache
 from strategies.recent_global import RecentGlobalCache
@@ -30,6 +31,7 @@ STRATEGIES: dict[str, type[KVCache]] = {
     "tova": TovaCache,
     "keydiff": KeyDiffCache,
     "expected_attention": ExpectedAttentionCache,
+    "kvzip": KVzipCache,
 }
 DEFAULT_STRATEGY = "full"
 DEFAULT_COMPRESSOR = "recent_global"

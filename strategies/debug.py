@@ -48,6 +48,16 @@ class DebugCache(FullCache):
         self.attention_loss.index_put_((self.steps,), lost_mass.mean())
         self.steps.add_(1)
 
+    def reconstruction_prompt(self):
+        return self.simulated.reconstruction_prompt()
+
+    def finish_reconstruction(self):
+        self.simulated.finish_reconstruction()
+
+    def set_peeking(self, peeking):
+        super().set_peeking(peeking)
+        self.simulated.set_peeking(peeking)
+
     def set_rope_frequencies(self, frequencies):
         super().set_rope_frequencies(frequencies)
         self.simulated.set_rope_frequencies(frequencies)

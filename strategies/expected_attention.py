@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from cache import KVCache
+from model import rope_frequencies
 from prompt_compression import PromptCompressor
 
 FUTURE_POSITIONS = 512
@@ -64,14 +65,17 @@ class ExpectedAttentionCompressor(PromptCompressor):
     """The attention the next positions' queries are expected to give, from the prompt's own queries."""
 
     head_specific = True
-    rope_frequencies: Tensor | None = None  # set with the model's caches
+    rope_frequencies: Tensor | None = None  # set with the model's caches; without: RoPE base 10000
 
     def score(self, key_pos, k, v, query):
+        frequencies = self.rope_frequencies
+        if frequencies is None:
+            frequencies = rope_frequencies(k.shape[-1], 10000.0).float().to(k.device)
         positions = key_pos.reshape(-1, key_pos.shape[-1])[0, -query.shape[2] :]
-        samples = query_samples(query, positions, self.rope_frequencies, k.shape[1])
+        samples = query_samples(query, positions, frequencies, k.shape[1])
         mean = samples.mean(dim=2)
         second = samples.transpose(-1, -2) @ samples / samples.shape[2]
-        return expected_attention(key_pos, k, v, mean, second, positions[-1:] + 1, self.rope_frequencies)
+        return expected_attention(key_pos, k, v, mean, second, positions[-1:] + 1, frequencies)
 
 
 class ExpectedAttentionCache(KVCache):
@@ -101,7 +105,8 @@ class ExpectedAttentionCache(KVCache):
         self.query_weight.mul_(fade).add_(n)
 
     def update_kv(self, input_pos, k, v, is_prefill=False, query=None, **kwargs):
-        self.record_queries(input_pos, query)
+        if query is not None:  # the model always hands it; a bare cache scores with what it has seen
+            self.record_queries(input_pos, query)
         return super().update_kv(input_pos, k, v, is_prefill, query, **kwargs)
 
     def attend_chunk(self, input_pos, query, k, v, token_ids=None):

@@ -101,7 +101,8 @@ class HybridCache(KVCache):
         """The chunk joins every head's kept tokens; then each head's policy drops what it no longer keeps."""
         self.new_token_ids = token_ids  # read by insert_state
         out = super().attend_chunk(input_pos, query, k, v, token_ids)
-        self.kept &= self.policy_mask(input_pos[-1:])
+        if not self.peeking:
+            self.kept &= self.policy_mask(input_pos[-1:])
         return out
 
     def held(self):

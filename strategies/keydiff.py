@@ -15,7 +15,7 @@ from prompt_compression import PromptCompressor
 def key_difference(key_pos: Tensor, k: Tensor) -> Tensor:
     """-cos(key, mean normalised key of its head) [B, H, S] over the keys at key_pos >= 0."""
     normalised = F.normalize(k.float(), dim=-1)
-    held = (key_pos >= 0).unsqueeze(-1).float()
+    held = (key_pos >= 0).view(*[1] * (3 - key_pos.dim()), *key_pos.shape, 1).float()
     anchor = (normalised * held).sum(dim=2, keepdim=True) / held.sum(dim=2, keepdim=True).clamp(min=1)
     return -(normalised * F.normalize(anchor, dim=-1)).sum(dim=-1)
 

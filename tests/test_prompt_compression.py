@@ -136,6 +136,7 @@ def test_random_is_seeded_and_head_constant():
     assert torch.equal(a[0, 0], a[0, 1])
 
 
-def test_head_specific_flags():
-    specific = {name for name, cls in strategies.compressors().items() if cls.head_specific}
-    assert specific == {"l2", "heavy_hitter"}
+@pytest.mark.parametrize("name", [n for n, c in strategies.compressors().items() if c.compresses])
+def test_head_specific_flag_says_whether_heads_keep_different_tokens(name):
+    keep = compress(name, 16)
+    assert (keep[0, 0].tolist() != keep[0, 1].tolist()) == strategies.compressor_class(name).head_specific

@@ -17,7 +17,8 @@ ROPE_BASE = 100.0  # angles that turn visibly within the prompt
 
 def new_cache(name: str):
     kwargs = default_cache_kwargs(global_tokens=GLOBAL, recent_window=RECENT)
-    cache = strategies.new_cache(name, name, (1, HEADS, HEAD_DIM), LENGTH, PROMPT + 4, torch.float32, kwargs)
+    compressor = strategies.natural_compressor(name)
+    cache = strategies.new_cache(name, compressor, (1, HEADS, HEAD_DIM), LENGTH, PROMPT + 4, torch.float32, kwargs)
     cache.set_rope_frequencies(rope_frequencies(HEAD_DIM, ROPE_BASE).float())
     return cache
 
@@ -41,13 +42,14 @@ def softmax(xs: list[float]) -> list[float]:
 
 
 def tova_reference(q, k, head: int, positions: list[int]) -> dict[int, float]:
-    """Attention from the last query to each position, averaged over the head's query heads."""
+    """Attention from the last query to each position, averaged over every query head (so the same
+    for every head)."""
     received = dict.fromkeys(positions, 0.0)
-    for g in range(GROUP):
-        query = q[0, head * GROUP + g, -1].tolist()
-        probs = softmax([dot(query, k[0, head, p].tolist()) / math.sqrt(HEAD_DIM) for p in positions])
-        for p, prob in zip(positions, probs):
-            received[p] += prob / GROUP
+    for query_head in range(HEADS * GROUP):
+        query = q[0, query_head, -1].tolist()
+        keys = [k[0, query_head // GROUP, p].tolist() for p in positions]
+        for p, prob in zip(positions, softmax([dot(query, key) / math.sqrt(HEAD_DIM) for key in keys])):
+            received[p] += prob / (HEADS * GROUP)
     return received
 
 
@@ -163,4 +165,34 @@ def test_tova_scores_with_the_latest_query_only():
     cache.attend_prompt(torch.arange(PROMPT), q, k, v)
     attn = torch.softmax(torch.randn(1, HEADS, GROUP, 1, LENGTH), dim=-1)
     cache.update_state(torch.tensor([PROMPT]), None, None, False, attn)
-    assert torch.allclose(cache.score(torch.tensor([PROMPT + 1])), attn[:, :, :, -1].mean(dim=2))
+    expected = attn[:, :, :, -1].mean(dim=(1, 2)).unsqueeze(1).expand(-1, HEADS, -1)
+    assert torch.allclose(cache.score(torch.tensor([PROMPT + 1])), expected)
+
+
+def test_kvzip_keeps_what_the_reconstruction_attends_to_most():
+    """The context held whole, a reconstruction chunk read and dropped, then the budget by the
+    largest attention each context token received from the chunk's queries (max over the group)."""
+    q, k, v = random_prompt(seed=4)
+    cache = new_cache("kvzip")
+    cache.attend_prompt(torch.arange(PROMPT), q, k, v)
+    assert cache.reconstruction_prompt() == [] and int((cache.pos >= 0).sum(-1).max()) == PROMPT
+    n = 7
+    generator = torch.Generator().manual_seed(5)
+    rq, rk, rv = (torch.randn(1, h, n, HEAD_DIM, generator=generator) for h in (HEADS * GROUP, HEADS, HEADS))
+    cache.set_peeking(True)
+    cache.attend_chunk(torch.arange(PROMPT, PROMPT + n), rq, rk, rv)
+    cache.set_peeking(False)
+    cache.finish_reconstruction()
+    assert cache.reconstruction_prompt() is None and cache.pos.shape[-1] == LENGTH
+    for head in range(HEADS):
+        received = dict.fromkeys(range(PROMPT), 0.0)
+        keys = [k[0, head, p].tolist() for p in range(PROMPT)] + [rk[0, head, i].tolist() for i in range(n)]
+        for g in range(GROUP):
+            for i in range(n):
+                query = rq[0, head * GROUP + g, i].tolist()
+                probs = softmax([dot(query, key) / math.sqrt(HEAD_DIM) for key in keys[: PROMPT + i + 1]])
+                for p in range(PROMPT):
+                    received[p] = max(received[p], probs[p])
+        held = [p for p in cache.pos[0, head].tolist() if p >= 0]
+        assert held == kept_by_reference(received, LENGTH, PROMPT - 1), head
+        assert torch.equal(cache.k_cache[0, head, : len(held)], k[0, head, held])
