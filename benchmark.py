@@ -776,13 +776,15 @@ def in_rounds(configs: list[Config], rounds: int, measure_one) -> list[dict]:
 
 
 def fastest(rounds: list[dict]) -> dict:
-    """One row from a row's rounds: the fastest decode round, with the fastest round's prefill time."""
+    """One row from a row's rounds: the fastest decode round, with the fastest round's prefill time
+    and the smallest prefill peak (the allocator keeping freed pages of earlier rows only adds to it)."""
     ok = [r for r in rounds if not r["error"]]
     if not ok:
         return rounds[0]
     best = dict(max(ok, key=lambda r: r["decode_tok_s"]))
     quickest_prefill = max(ok, key=lambda r: r["prefill_tok_s"])
     best.update(prefill_s=quickest_prefill["prefill_s"], prefill_tok_s=quickest_prefill["prefill_tok_s"])
+    best["prefill_peak_mib"] = min(r["prefill_peak_mib"] for r in ok)
     best["rounds"] = len(ok)
     if len({r["tokens_sha"] for r in ok}) > 1:
         best["error"] = "greedy tokens differ between rounds"

@@ -245,12 +245,19 @@ class KVCache(nn.Module):
         visible = self.held().unsqueeze(-2) & (self.pos.unsqueeze(-2) <= input_pos.view(-1, 1))  # [B, H, N, S]
         q = query.reshape(bsz, n_kv, group * n, head_dim)
         mask = visible.repeat(1, 1, group, 1)
-        if self.return_attn() and (self.reconstructs_context or not self.peeking):
-            out, attn = attention_with_probs(q, keys, values, mask)
-            self.update_state(input_pos, k, v, True, attn.view(bsz, n_kv, group, n, -1))
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = self.chunk_attention(input_pos, k, v, q, keys, values, mask)
         return originals, out.view(bsz, n_kv * group, n, head_dim), keys, values
+
+    def chunk_attention(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask):
+        """The attention output [B, H, G * N, D] of a chunk (k/v [B, H, N, D] at input_pos [N]) whose
+        queries q [B, H, G * N, D] see keys and values [B, H, S, D] where mask [B, H, G * N, S];
+        records the probabilities where the strategy wants them (not while peeking)."""
+        if not self.return_attn() or self.peeking:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out, attn = attention_with_probs(q, keys, values, mask)
+        bsz, n_kv, n = k.shape[:3]
+        self.update_state(input_pos, k, v, True, attn.view(bsz, n_kv, q.shape[2] // n, n, -1))
+        return out
 
     def reconstruction_prompt(self) -> list[int] | None:
         """The tokens asking to repeat the context, when the cache holds a whole context awaiting

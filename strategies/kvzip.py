@@ -9,10 +9,13 @@ is a second pass over the context, and a prefill that holds the whole context wh
 size. During decode a token's score keeps growing with the largest attention it receives.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from cache import KVCache
+from one_token import matmul_dtype
 
 REPEAT_REQUEST = "\n\nRepeat the previous context exactly.\n"
 
@@ -54,6 +57,19 @@ class KVzipCache(KVCache):
             return super().attend_chunk(input_pos, query, k, v, token_ids)
         originals, out, _, _ = self.join_chunk(input_pos, query, k, v)
         self.awaiting = self.awaiting or originals
+        return out
+
+    def chunk_attention(self, input_pos, k, v, q, keys, values, mask):
+        """While peeking: the fused kernel's output and log-sum-exp give each key's largest
+        probability, exp(max over queries of score - lse), with no probability matrix."""
+        if not self.peeking or q.device.type != "cpu":
+            return super().chunk_attention(input_pos, k, v, q, keys, values, mask)
+        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=additive)
+        work = matmul_dtype(keys)
+        scores = (q.to(work) @ keys.to(work).transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
+        largest = (scores.masked_fill_(~mask, float("-inf")) - lse.unsqueeze(-1)).amax(dim=2).exp()
+        torch.maximum(self.max_received, largest, out=self.max_received)
         return out
 
     def insert_state(self, slots, k, state):

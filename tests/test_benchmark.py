@@ -164,6 +164,7 @@ def test_rounds_run_round_robin_and_keep_each_rows_fastest_prefill_and_decode():
             prefill_tok_s=prefill,
             prefill_s=64 / prefill,
             peak_mem_mib=decode,
+            prefill_peak_mib=prefill,
         )
 
     rows = benchmark.in_rounds([full, l2], 2, measure_one)
@@ -173,6 +174,7 @@ def test_rounds_run_round_robin_and_keep_each_rows_fastest_prefill_and_decode():
         ("l2", 14.0, 95.0, 2),
     ]
     assert rows[0]["peak_mem_mib"] == 12.0 and rows[0]["prefill_s"] == pytest.approx(0.64)  # decode round's memory
+    assert rows[0]["prefill_peak_mib"] == 80.0 and rows[1]["prefill_peak_mib"] == 90.0  # the smallest prefill peak
     failed, ok = row(error="RuntimeError: boom", decode_tok_s=None), row(decode_tok_s=3.0)
     assert benchmark.fastest([failed, ok])["decode_tok_s"] == 3.0 and benchmark.fastest([failed]) is failed
     assert benchmark.fastest([ok, row(tokens_sha="b")])["error"] == "greedy tokens differ between rounds"
