@@ -158,16 +158,19 @@ def draw(rows: list[dict], out_dir: Path) -> list[Path]:
                 ax.axhline(r["score"], linestyle="--", color="gray", label=f"full cache ({r['mode']})")
             else:
                 curves[r["strategy"], r["mode"]].append(r)
+        colors = {name: plt.cm.tab20(i % 20) for i, name in enumerate(sorted({name for name, _ in curves}))}
         for (strategy, mode), points in sorted(curves.items()):
             points.sort(key=lambda r: r["kept_fraction"])
             xs, ys = [r["kept_fraction"] for r in points], [r["score"] for r in points]
             errors = [[y - r["ci_low"] for y, r in zip(ys, points)], [r["ci_high"] - y for y, r in zip(ys, points)]]
-            style = "-" if mode == "query_aware" else ":"
-            ax.errorbar(xs, ys, yerr=errors, marker="o", linestyle=style, capsize=3, label=f"{strategy} ({mode})")
+            style, marker = ("-", "o") if mode == "query_aware" else (":", "s")
+            ax.errorbar(xs, ys, yerr=errors, marker=marker, linestyle=style, capsize=3, color=colors[strategy],
+                        label=f"{strategy} ({mode})")  # fmt: skip
+        ax.set_xlim(0, 1.05)
         ax.set_xlabel("kept fraction of the cache")
         ax.set_ylabel("score (95% bootstrap CI)")
         ax.set_title(task)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="x-small", ncol=2)
         path = out_dir / f"comparison__{plot_results.safe(task)}.png"
         fig.savefig(path, dpi=120, bbox_inches="tight")
         plt.close(fig)
