@@ -160,6 +160,7 @@ def caches_from_file(model, cache_kwargs: dict, header: dict, path: Path, sequen
 # Printed first, in their own words; every other statistic the caches report follows by name.
 SPEED_AND_SIZE = (
     "prompt_tokens",
+    "prefilled_tokens",
     "new_tokens",
     "prefill_time",
     "decode_time",
@@ -175,7 +176,9 @@ SPEED_AND_SIZE = (
 
 
 def print_statistics(stats: dict) -> None:
-    print(f"\nprefill: {stats['prompt_tokens']} tokens, {stats['prefill_tokens_per_s']:.1f} tokens/s")
+    loaded = stats["prompt_tokens"] - round(stats["prefilled_tokens"])
+    after = f" after a loaded context of {loaded}" if loaded else ""
+    print(f"\nprefill: {round(stats['prefilled_tokens'])} tokens{after}, {stats['prefill_tokens_per_s']:.1f} tokens/s")
     print(f"decode: {stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tokens/s")
     print(f"total time: {stats['total_time']:.2f} s, peak memory: {stats['peak_memory_bytes'] / 2**20:.1f} MiB")
     print(

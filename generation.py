@@ -318,14 +318,19 @@ def reconstruct_context(model: Transformer, steps: dict, request: list[int], con
         cache.finish_reconstruction()
 
 
-def run_statistics(prompt_length: int, new_tokens: int, prefill_time: float, decode_time: float, caches) -> dict:
-    """Speed and cache statistics of one run; n = prompt + new - 1 tokens passed through the cache."""
+def run_statistics(
+    prompt_length: int, new_tokens: int, prefill_time: float, decode_time: float, caches, prefilled=None
+) -> dict:
+    """Speed and cache statistics of one run; n = prompt + new - 1 tokens passed through the cache.
+    `prefilled`: the prompt tokens this run's prefill time covers, when not all of them."""
+    prefilled = prompt_length if prefilled is None else prefilled
     return {
         "prompt_tokens": prompt_length,
+        "prefilled_tokens": prefilled,
         "new_tokens": new_tokens,
         "prefill_time": prefill_time,
         "decode_time": decode_time,
-        "prefill_tokens_per_s": prompt_length / prefill_time,
+        "prefill_tokens_per_s": prefilled / prefill_time,
         "decode_tokens_per_s": (new_tokens - 1) / decode_time if new_tokens > 1 else float("nan"),
         **cache_statistics(caches, prompt_length + new_tokens - 1),
     }
@@ -433,7 +438,7 @@ def answer_questions(
             torch.manual_seed(seeds[i])
         yield answer_from(
             model, caches, context_length, question, max_new_tokens, cache_kwargs, steps, terminator_ids,
-            prefill_time=context_share,
+            context_prefill=(context_share, context_length / len(questions)),
         )  # fmt: skip
 
 
@@ -450,20 +455,22 @@ def answer_from(
     temperature: float = 0.0,
     top_k: int | None = None,
     callback=None,
-    prefill_time: float = 0.0,
+    context_prefill: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[Tensor, dict]:
     """Prefills a question [Q] after the context the caches hold, then generates; returns the new
-    tokens and statistics (`prefill_time`: seconds already spent on the context, counted in)."""
+    tokens and statistics. `context_prefill`: (seconds, tokens) of the context's prefill counted in
+    (a share when several questions use it; none when it was loaded from a file)."""
     device = model.output.weight.device
     question = question.reshape(-1).to(device)
     start = time.perf_counter()
     logits = prefill_through(model, steps, question, caches, cache_kwargs.get("prefill_chunk_size"), context_length)
     synchronize(device)
-    prefill_time += time.perf_counter() - start
+    prefill_time = context_prefill[0] + time.perf_counter() - start
     prompt_length = context_length + question.numel()
     sampling = (terminator_ids, temperature, top_k, callback)
     tokens, decode_time = decode_from(model, logits, prompt_length, max_new_tokens, steps, *sampling)
-    return tokens, run_statistics(prompt_length, len(tokens), prefill_time, decode_time, caches)
+    prefilled = context_prefill[1] + question.numel()
+    return tokens, run_statistics(prompt_length, len(tokens), prefill_time, decode_time, caches, prefilled)
 
 
 @torch.no_grad()

@@ -30,6 +30,7 @@ def generate_cli(*argv: str) -> tuple[str, dict]:
     assert done.returncode == 0, done.stderr
     text, _, report = done.stdout.partition("\nprefill:")
     stats = dict(re.findall(r"(?:^|, )([a-z ]+): ([^,\n]+)", report, flags=re.M))
+    stats["prefill"] = report.splitlines()[0].strip()
     return text, stats
 
 
@@ -44,8 +45,12 @@ def saved_context(smollm2_checkpoint, tmp_path_factory):
 def test_save_then_load_gives_the_same_answer_and_the_file_holds_the_cache(saved_context):
     path, saved_text, saved_stats = saved_context
     assert "7341" in saved_text  # the needle survives a 25% l2 cache, context-only
-    loaded_text, _ = generate_cli("--load_cache", str(path), *SAVED_SETTINGS)
+    loaded_text, loaded_stats = generate_cli("--load_cache", str(path), *SAVED_SETTINGS)
     assert loaded_text == saved_text
+    saved_tokens = int(saved_stats["prefill"].split()[0])
+    question_tokens = int(loaded_stats["prefill"].split()[0])  # the loaded run prefills the question alone
+    assert f"after a loaded context of {saved_tokens - question_tokens}," in loaded_stats["prefill"]
+    assert "loaded" not in saved_stats["prefill"]
     plain_text, _ = generate_cli("--prompt", "long_niah.txt", *SAVED_SETTINGS, "--context_only")
     assert plain_text == saved_text  # saving changes nothing
     cache_mib = float(saved_stats["cache memory"].split()[0])
