@@ -367,7 +367,7 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
     check_compatibility(cache_kwargs, model.config.n_layer)
     caches = setup_caches(model, cache_kwargs, ctx, sum(phases.values()) + 1)
     positions = phase_positions(phases, ctx, device)
-    row = {"compressor": cfg.compressor, "cache_slots": min(c.max_cache_length for c in caches)}
+    row = {"compressor": cfg.compressor, "cache_slots": min(c.budget for c in caches)}
     prefill = prefill_call(model, steps, prompt.to(device), caches, cache_kwargs.get("prefill_chunk_size"))
     compile_s = untimed_prefill(prefill, caches, device)
 

@@ -20,6 +20,10 @@ from model import attention_with_probs, rope_frequencies
 from quantization_utils import SUPPORTED_BITS, QuantizedTensor, dequantize, packed_dim, quantize
 
 PATTERNS = ("tile", "repeat", "pyramid", "funnel")
+HEAD_BUDGETS = ("uniform", "adaptive")
+HEAD_CAPACITY = 2  # with adaptive head budgets, a head's slots as a multiple of the uniform budget
+SUMMED_STATISTICS = ("cache_memory_bytes", "kept_memory_bytes")  # over layers; the rest are averaged
+EMPTY, UNALLOCATED = -1, -2  # `pos` of a free slot, and of a slot its head may not use (adaptive budgets)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,14 @@ SHARED_PARAMS = (
     Param("global_tokens", int, 1, "leading tokens (attention sinks) never evicted", minimum=0),
     Param("recent_window", float, 10, "most recent tokens never evicted; < 1 = fraction of the cache", minimum=0),
     Param("cache_bits", int, None, "store keys and values as packed codes of 2, 4 or 8 bits", choices=SUPPORTED_BITS),
+    Param(
+        "head_budgets",
+        str,
+        "uniform",
+        "adaptive: a layer's KV heads share its budget, ranked together by a head-specific compressor (AdaKV); "
+        f"each head holds up to {HEAD_CAPACITY}x the uniform budget, so more memory is allocated than kept",
+        choices=HEAD_BUDGETS,
+    ),
 )
 
 
@@ -114,13 +126,20 @@ class KVCache(nn.Module):
         recent_window: float = 10,
         cache_bits: int | None = None,
         prompt_compressor=None,
+        head_budgets: str = "uniform",
+        capacity: int | None = None,
         **kwargs,
     ):
+        """`max_cache_length` slots per head, or with adaptive head budgets that many on average
+        within `capacity` slots per head."""
         super().__init__()
+        self.budget = max_cache_length
+        self.head_budgets = head_budgets
+        max_cache_length = capacity or max_cache_length
         self.max_cache_length = max_cache_length
         self.head_dim = head_dim
         self.global_tokens = global_tokens
-        self.recent_window = resolve_recent_window(recent_window, max_cache_length, global_tokens)
+        self.recent_window = resolve_recent_window(recent_window, self.budget, global_tokens)
         self.cache_bits = cache_bits
         self.dtype = dtype
         self.prompt_compressor = prompt_compressor
@@ -137,7 +156,8 @@ class KVCache(nn.Module):
                 self.register_buffer(f"{name}_packed", packed)
                 self.register_buffer(f"{name}_scale", torch.zeros(*shape, 1, dtype=dtype))
                 self.register_buffer(f"{name}_zero", torch.zeros(*shape, 1, dtype=dtype))
-        self.register_buffer("pos", torch.full(shape, -1, dtype=torch.int))
+        self.register_buffer("pos", torch.full(shape, EMPTY, dtype=torch.int))
+        self.pos[:, :, self.budget :] = UNALLOCATED
         # First flat row of each (batch, head) in a [B, H, L, ...] buffer viewed as [B * H * L, ...].
         offsets = torch.arange(max_batch_size * n_heads).view(max_batch_size, n_heads, 1) * max_cache_length
         self.register_buffer("row_offsets", offsets, persistent=False)
@@ -173,8 +193,9 @@ class KVCache(nn.Module):
 
     # -- the shared mechanics ---------------------------------------------------------------
     def reset(self) -> None:
-        self.pos.fill_(-1)
         self.reset_state()
+        self.pos.fill_(EMPTY)
+        self.pos[:, :, self.budget :].fill_(UNALLOCATED)  # until adaptive budgets share the capacity out
 
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor, is_prefill: bool = False, query=None, **kwargs):
         """Inserts k/v [B, H, T, D]; returns the keys, values and slot mask attention must use."""
@@ -192,7 +213,7 @@ class KVCache(nn.Module):
         score = self.score(input_pos).expand_as(self.pos)
         protected = (self.pos < self.global_tokens) | (self.pos >= input_pos - self.recent_window)
         score = torch.where(protected, math.inf, score)
-        score = torch.where(self.pos < 0, -math.inf, score)
+        score = torch.where(self.pos == EMPTY, -math.inf, score)  # unallocated slots count as protected
         return score.argmin(dim=-1, keepdim=True)
 
     def attend_prompt(self, input_pos: Tensor, query: Tensor, k: Tensor, v: Tensor, token_ids=None) -> Tensor:
@@ -203,16 +224,28 @@ class KVCache(nn.Module):
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> None:
         """Fills the cache from the prompt: the tokens its compressor keeps, with their state."""
         keep = self.kept_prompt_tokens(input_pos, k, v, query)
-        self.insert_prompt(input_pos, k, v, keep, self.prefill_state(input_pos, k, v, query, keep))
+        chosen = None if keep is None else keep.clamp(min=0)
+        self.insert_prompt(input_pos, k, v, keep, self.prefill_state(input_pos, k, v, query, chosen))
 
     def kept_prompt_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> Tensor | None:
         """Indices [B, H, n] of the prompt tokens the cache keeps (the prompt compressor's choice when
-        the prompt does not fit its budget), None when it keeps them all."""
-        budget = self.max_cache_length - self.reserved_slots
-        if k.shape[2] <= budget:
+        the prompt does not fit its budget; -1: a slot left unallocated), None when it keeps them all."""
+        if k.shape[2] <= self.budget - self.reserved_slots:
             return None
-        keep = self.prompt_compressor(input_pos.view(1, 1, -1), k, v, query, budget)
+        keep = self.prompt_compressor(input_pos.view(1, 1, -1), k, v, query, **self.budgets(self.max_cache_length))
         return keep.expand(k.shape[0], k.shape[1], -1)
+
+    def budgets(self, slots: int) -> dict:
+        """The compressor's budget for buffers of `slots` slots per head: the same for every head, or
+        with adaptive head budgets the layer's total shared out within `slots` (less the reserved)."""
+        shared = {"capacity": slots - self.reserved_slots} if self.head_budgets == "adaptive" else {}
+        return {"budget": self.budget - self.reserved_slots, **shared}
+
+    def allocate(self, keep: Tensor) -> None:
+        """After the first slots took the candidates `keep` [B, H, n]: those of index -1 become
+        unallocated, the others free or filled (a chosen unallocated candidate becomes a free slot)."""
+        first = self.pos[:, :, : keep.shape[-1]]
+        first.copy_(torch.where(keep < 0, UNALLOCATED, first.clamp(min=EMPTY)))
 
     @torch.compiler.disable  # swaps in wider buffers for the chunk's duration
     def attend_chunk(self, input_pos: Tensor, query: Tensor, k: Tensor, v: Tensor, token_ids=None) -> Tensor:
@@ -226,8 +259,7 @@ class KVCache(nn.Module):
         if self.peeking:
             keep = torch.arange(length, device=k.device).view(1, 1, -1)
         else:
-            budget = length - self.reserved_slots
-            keep = self.prompt_compressor(self.pos, keys, values, query, budget)
+            keep = self.prompt_compressor(self.pos, keys, values, query, **self.budgets(length))
         self.narrow(originals, keep.expand(*k.shape[:2], -1))
         return out
 
@@ -242,16 +274,17 @@ class KVCache(nn.Module):
         slots = torch.arange(self.max_cache_length - n, self.max_cache_length, device=k.device).expand(bsz, n_kv, n)
         self.write(slots, input_pos.view(1, 1, -1).expand_as(slots), k, v)
         self.insert_state(slots, k, {})
-        visible = self.held().unsqueeze(-2) & (self.pos.unsqueeze(-2) <= input_pos.view(-1, 1))  # [B, H, N, S]
-        q = query.reshape(bsz, n_kv, group * n, head_dim)
-        mask = visible.repeat(1, 1, group, 1)
-        out = self.chunk_attention(input_pos, k, v, q, keys, values, mask)
+        out = self.chunk_attention(input_pos, k, v, query.reshape(bsz, n_kv, group * n, head_dim), keys, values)
         return originals, out.view(bsz, n_kv * group, n, head_dim), keys, values
 
-    def chunk_attention(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask):
-        """The attention output [B, H, G * N, D] of a chunk (k/v [B, H, N, D] at input_pos [N]) whose
-        queries q [B, H, G * N, D] see keys and values [B, H, S, D] where mask [B, H, G * N, S];
-        records the probabilities where the strategy wants them (not while peeking)."""
+    def chunk_attention(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, keys: Tensor, values: Tensor):
+        """The attention output [B, H, G * N, D] of a chunk (k/v [B, H, N, D] at input_pos [N], the
+        last N of keys and values [B, H, S, D]) whose queries q [B, H, G * N, D] see the held slots
+        up to their own position; records the probabilities where the strategy wants them (not
+        while peeking)."""
+        group = q.shape[2] // k.shape[2]
+        visible = self.held().unsqueeze(-2) & (self.pos.unsqueeze(-2) <= input_pos.view(-1, 1))  # [B, H, N, S]
+        mask = visible.repeat(1, 1, group, 1)
         if not self.return_attn() or self.peeking:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         out, attn = attention_with_probs(q, keys, values, mask)
@@ -283,21 +316,23 @@ class KVCache(nn.Module):
         """Appends n empty slots to every per-slot buffer, for a chunk to join; returns the originals."""
         originals = {name: getattr(self, name) for name in self.per_slot_buffers()}
         for name, buffer in originals.items():
-            extra = buffer.new_full((*buffer.shape[:2], n, *buffer.shape[3:]), -1 if name == "pos" else 0)
+            extra = buffer.new_full((*buffer.shape[:2], n, *buffer.shape[3:]), EMPTY if name == "pos" else 0)
             setattr(self, name, torch.cat([buffer, extra], dim=2))
         self.set_length(self.max_cache_length + n)
         return originals
 
     def narrow(self, originals: dict[str, Tensor], keep: Tensor) -> None:
         """Back to the original buffers: their first slots take the widened ones' slots `keep`
-        [B, H, n], the rest are emptied."""
+        [B, H, n] (-1: unallocated), the rest are emptied."""
         n = keep.shape[-1]
+        chosen = keep.clamp(min=0)
         for name, buffer in originals.items():
-            index = keep.view(*keep.shape, *[1] * (buffer.dim() - 3)).expand(*keep.shape, *buffer.shape[3:])
+            index = chosen.view(*keep.shape, *[1] * (buffer.dim() - 3)).expand(*keep.shape, *buffer.shape[3:])
             buffer[:, :, :n].copy_(getattr(self, name).gather(2, index))
-            buffer[:, :, n:].fill_(-1 if name == "pos" else 0)
+            buffer[:, :, n:].fill_(EMPTY if name == "pos" else 0)
             setattr(self, name, buffer)
         self.set_length(originals["pos"].shape[2])
+        self.allocate(keep)
 
     def set_length(self, length: int) -> None:
         self.max_cache_length = length
@@ -320,14 +355,18 @@ class KVCache(nn.Module):
         )  # fmt: skip
 
     def insert_prompt(self, input_pos: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, state: dict) -> None:
-        """Writes the kept prompt tokens (state already for those tokens) into slots 0..n-1."""
+        """Writes the kept prompt tokens `keep` (-1: a slot left unallocated; state already for those
+        tokens) into slots 0..n-1."""
         bsz, n_heads = k.shape[:2]
         if keep is not None:
-            gather = keep.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
-            input_pos, k, v = input_pos[keep], k.gather(2, gather), v.gather(2, gather)
+            chosen = keep.clamp(min=0)
+            gather = chosen.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
+            input_pos, k, v = input_pos[chosen], k.gather(2, gather), v.gather(2, gather)
         slots = torch.arange(k.shape[2], device=k.device).expand(bsz, n_heads, -1)
         self.write(slots, input_pos.expand_as(slots), k, v)
         self.insert_state(slots, k, state)
+        if keep is not None:
+            self.allocate(keep)
 
     def write(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """Stores k/v [B, H, n, D] into slots [B, H, n], quantizing when the cache is low-bit."""
@@ -377,13 +416,12 @@ class KVCache(nn.Module):
 
     def compute_statistics(self, seq_len: int) -> dict:
         """Compression ratio over the n = seq_len tokens that passed through, and bytes."""
-        kept = (self.pos >= 0).sum(-1).float().mean().item()
-        if self.cache_bits is not None:
-            kept *= self.cache_bits / 16
-        return {
-            "compression_ratio": (seq_len - kept) / seq_len,
-            "cache_memory_bytes": state_bytes(self),
-        }
+        held = (self.pos >= 0).sum(-1).float().mean().item()
+        kept = held * self.cache_bits / 16 if self.cache_bits is not None else held
+        stats = {"compression_ratio": (seq_len - kept) / seq_len, "cache_memory_bytes": state_bytes(self)}
+        if self.max_cache_length > self.budget:  # adaptive head budgets: allocated slots outnumber kept ones
+            stats["kept_memory_bytes"] = round(state_bytes(self) * held / self.max_cache_length)
+        return stats
 
 
 def state_bytes(cache: nn.Module) -> int:
@@ -498,7 +536,7 @@ def cache_statistics(caches: list[KVCache], seq_len: int) -> dict:
     stats = {}
     for key in dict.fromkeys(k for s in per_layer for k in s):
         values = [s[key] for s in per_layer if key in s]
-        if key == "cache_memory_bytes":
+        if key in SUMMED_STATISTICS:
             stats[key] = sum(values)
         elif isinstance(values[0], dict):  # e.g. hybrid's share of heads per policy
             stats[key] = {name: sum(v.get(name, 0.0) for v in values) / len(values) for name in values[0]}

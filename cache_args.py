@@ -176,6 +176,11 @@ def check_compatibility(cache_kwargs: dict, n_layer: int | None = None, compile:
                 f"prompt compressor '{compressor}' keeps different tokens per head but cache '{name}' keeps the "
                 f"same tokens for all heads; pick one of {', '.join(strategies.compatible_compressors(name))}"
             )
+        if cache_kwargs.get("head_budgets") == "adaptive" and not strategies.ranks_heads_apart(name, compressor):
+            raise ValueError(
+                f"--head_budgets adaptive ranks each head's tokens, but cache '{name}' with compressor '{compressor}' "
+                "scores all heads alike; pick a head-specific compressor or --head_budgets uniform"
+            )
 
 
 def check_cache_lengths(
@@ -211,4 +216,6 @@ def relevant_kwargs(cache_kwargs: dict) -> dict:
     if len(cache_kwargs["cache_strategy"]) > 1:
         names.append("cache_strategy_pattern")
     names += [n for n in ("prefill_chunk_size", "context_only") if cache_kwargs.get(n)]
+    if cache_kwargs.get("head_budgets") == "adaptive":
+        names.append("head_budgets")
     return {n: cache_kwargs.get(n) for n in dict.fromkeys(names)}

@@ -172,6 +172,7 @@ SPEED_AND_SIZE = (
     "cache_memory_bytes",
     "compression_ratio_per_layer",
     "cache_memory_bytes_per_layer",
+    "kept_memory_bytes",
 )
 
 
@@ -181,8 +182,11 @@ def print_statistics(stats: dict) -> None:
     print(f"\nprefill: {round(stats['prefilled_tokens'])} tokens{after}, {stats['prefill_tokens_per_s']:.1f} tokens/s")
     print(f"decode: {stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tokens/s")
     print(f"total time: {stats['total_time']:.2f} s, peak memory: {stats['peak_memory_bytes'] / 2**20:.1f} MiB")
+    kept = stats.get("kept_memory_bytes")
+    of_which = "" if kept is None else f" allocated, {kept / 2**20:.2f} MiB of it kept (heads hold different counts)"
     print(
-        f"compression ratio: {stats['compression_ratio']:.4f}, cache memory: {stats['cache_memory_bytes'] / 2**20:.2f} MiB"
+        f"compression ratio: {stats['compression_ratio']:.4f}, "
+        f"cache memory: {stats['cache_memory_bytes'] / 2**20:.2f} MiB{of_which}"
     )
     ratios = " ".join(f"{r:.3f}" for r in stats["compression_ratio_per_layer"])
     print(f"compression ratio per layer: {ratios}")

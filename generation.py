@@ -134,7 +134,7 @@ def prefill_passes(
     if chunk_size == 1 and start > 0:
         return [], start
     if start == 0 and (chunk_size in (None, 1) or chunk_size >= length):
-        smallest = min(c.max_cache_length for c in caches)
+        smallest = min(c.budget for c in caches)
         if chunk_size == 1 and length > smallest:
             return [(0, smallest)], smallest
         n = length - 1 if length == smallest and length > 1 and not reserve else length

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from cache import SUMMED_STATISTICS
 from model import Transformer
 
 
@@ -153,7 +154,7 @@ def apply_tp(model: Transformer, rank: int | None = None, size: int | None = Non
 
 # Cache statistics gathered over ranks: memory adds up, ratios and losses average (every rank
 # holds the same number of KV heads, so the mean of rank means is the mean over all heads).
-SUMMED_STATISTICS = ("cache_memory_bytes",)
+# Adaptive head budgets share a layer's budget among a rank's own heads.
 AVERAGED_STATISTICS = ("compression_ratio", "attention_loss")
 
 

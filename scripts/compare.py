@@ -32,11 +32,12 @@ import parallel_eval  # noqa: E402
 import plot_results  # noqa: E402
 
 import strategies  # noqa: E402
+from cache import HEAD_BUDGETS  # noqa: E402
 from tasks import get_task  # noqa: E402
 
 MODES = {"query_aware": [], "context_only": ["--context_only"]}
 BOOTSTRAP_RESAMPLES = 2000
-COLUMNS = ["task", "strategy", "mode", "budget", "score", "ci_low", "ci_high", "kept_fraction", "samples"]
+COLUMNS = ["task", "strategy", "mode", "budget", "score", "ci_low", "ci_high", "kept_fraction", "cache_mib", "samples"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"compressing strategies (default: {' '.join(compressing)})")  # fmt: skip
     parser.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.25, 0.1], help="--max_cache_length values")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--head_budgets", nargs="+", choices=HEAD_BUDGETS, default=["uniform"],
+                        help="uniform and/or adaptive (AdaKV) head budgets, for the strategies whose compressor "
+                        "scores heads apart (default: uniform)")  # fmt: skip
     parser.add_argument("--tasks", nargs="+", default=["rulerniah"], help="eval.py tasks (default: rulerniah)")
     parser.add_argument("--seq_length", type=int, default=2000, help="RULER prompt tokens (default: 2000)")
     parser.add_argument("--num_samples", type=int, default=20)
@@ -62,9 +66,12 @@ def commands(args, extra: list[str]) -> list[str]:
     configs = [["--cache_strategy", "full"]]
     for name in args.strategies:
         compressor = strategies.natural_compressor(name)
-        for budget in args.budgets:
-            configs.append(["--cache_strategy", name, "--prompt_compression_strategy", compressor,
-                            "--max_cache_length", f"{budget:g}"])  # fmt: skip
+        for head_budgets in args.head_budgets:
+            if head_budgets == "adaptive" and not strategies.ranks_heads_apart(name, compressor):
+                continue
+            for budget in args.budgets:
+                configs.append(["--cache_strategy", name, "--prompt_compression_strategy", compressor,
+                                "--max_cache_length", f"{budget:g}", "--head_budgets", head_budgets])  # fmt: skip
     return [
         shlex.join([sys.executable, str(ROOT / "eval.py"), *config, *common, *MODES[mode]])
         for mode in args.modes
@@ -100,13 +107,15 @@ def collect(results_dir: Path, seed: int) -> list[dict]:
             low, high = bootstrap_interval(scores, seed)
             rows.append({
                 "task": label,
-                "strategy": "+".join(plot_results.used_strategies(run_args)),
+                "strategy": "+".join(plot_results.used_strategies(run_args))
+                + ("/adaptive" if run_args.get("head_budgets") == "adaptive" else ""),
                 "mode": "context_only" if run_args.get("context_only") else "query_aware",
                 "budget": plot_results.budget(run_args),
                 "score": sum(scores) / len(scores),
                 "ci_low": low,
                 "ci_high": high,
                 "kept_fraction": 1 - result["statistics"]["compression_ratio"],
+                "cache_mib": result["statistics"]["cache_memory_bytes"] / 2**20,
                 "samples": len(scores),
                 "baseline": plot_results.is_baseline(run_args),
             })  # fmt: skip
@@ -134,11 +143,12 @@ def write_table(rows: list[dict], out_dir: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| task | strategy | mode | budget | score [95% CI] | kept | samples |", "|---|---|---|---|---|---|---|"]
+    lines = ["| task | strategy | mode | budget | score [95% CI] | kept | cache MiB | samples |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         interval = f"{r['score']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
         lines.append(f"| {r['task']} | {r['strategy']} | {r['mode']} | {r['budget']:g} | {interval} | "
-                     f"{r['kept_fraction']:.2f} | {r['samples']} |")  # fmt: skip
+                     f"{r['kept_fraction']:.2f} | {r['cache_mib']:.1f} | {r['samples']} |")  # fmt: skip
     (out_dir / "comparison.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

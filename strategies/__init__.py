@@ -5,7 +5,9 @@ benchmark's compressor for each strategy, and the tests' matrix all come from th
 facts each class declares. Adding a strategy is one module, one line here and a preset.
 """
 
-from cache import SHARED_PARAMS, KVCache, Param, resolve_recent_window
+import math
+
+from cache import HEAD_CAPACITY, SHARED_PARAMS, KVCache, Param, resolve_recent_window
 from prompt_compression import PromptCompressor
 from strategies.debug import DebugCache
 from strategies.expected_attention import ExpectedAttentionCache
@@ -74,6 +76,14 @@ def compatible_compressors(name: str) -> list[str]:
     return [n for n, c in compressors().items() if head_specific or not c.head_specific]
 
 
+def ranks_heads_apart(name: str, compressor: str) -> bool:
+    """Whether a layer of strategy `name` with `compressor` can share its budget among its heads
+    (adaptive head budgets): its compressor, or the cache itself (kvzip), scores each head apart;
+    a cache that never compresses has nothing to share and qualifies too."""
+    cls = strategy_class(name)
+    return cls.spans_sequence or cls.reconstructs_context or compressor_class(compressor).head_specific
+
+
 def compressing_strategies() -> list[str]:
     """The strategies that compress by evicting: the sweeps' default list."""
     return [n for n, c in STRATEGIES.items() if not c.spans_sequence]
@@ -106,7 +116,9 @@ def new_cache(
         global_tokens=kwargs["global_tokens"],
         recent_window=resolve_recent_window(kwargs["recent_window"], length, kwargs["global_tokens"]),
     )
-    cache = strategy_class(name)(*shape[:2], shape[2], length, dtype, **kwargs)
+    adaptive = kwargs.get("head_budgets") == "adaptive"
+    capacity = min(seq_len, 8 * math.ceil(HEAD_CAPACITY * length / 8)) if adaptive else None
+    cache = strategy_class(name)(*shape[:2], shape[2], length, dtype, capacity=capacity, **kwargs)
     if name.startswith(DEBUG_PREFIX):
         return DebugCache(*shape[:2], shape[2], seq_len, dtype, simulated=cache, **kwargs)
     return cache

@@ -73,7 +73,8 @@ class HeavyHitterCache(KVCache):
     def attend_prompt(self, input_pos, query, k, v, token_ids=None):
         """The attention statistics come from the pass that computes the output."""
         keep = self.kept_prompt_tokens(input_pos, k, v, query)
-        out, received = prompt_attention(query, k, v, self.attn_thresholding, keep)
+        chosen = None if keep is None else keep.clamp(min=0)
+        out, received = prompt_attention(query, k, v, self.attn_thresholding, chosen)
         self.insert_prompt(input_pos, k, v, keep, {"attn": received})
         return out
 

@@ -13,9 +13,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from cache import KVCache
-from one_token import matmul_dtype
 
 REPEAT_REQUEST = "\n\nRepeat the previous context exactly.\n"
 
@@ -41,7 +41,7 @@ class KVzipCache(KVCache):
 
     def attend_prompt(self, input_pos, query, k, v, token_ids=None):
         """A context over the budget is held whole, in widened buffers, until it is scored."""
-        if k.shape[2] <= self.max_cache_length - self.reserved_slots:
+        if k.shape[2] <= self.budget - self.reserved_slots:
             return super().attend_prompt(input_pos, query, k, v, token_ids)
         self.awaiting = self.widen(k.shape[2])
         slots = torch.arange(k.shape[2], device=k.device).expand(*k.shape[:2], -1)
@@ -52,25 +52,44 @@ class KVzipCache(KVCache):
     @torch.compiler.disable  # swaps in wider buffers
     def attend_chunk(self, input_pos, query, k, v, token_ids=None):
         """More context that does not fit: held whole too, until the reconstruction pass."""
+        if self.peeking:
+            return self.peek(query, k, v)
         held = int((self.pos >= 0).sum(-1).max())
-        if self.peeking or (self.awaiting is None and held + k.shape[2] <= self.max_cache_length - self.reserved_slots):
+        if self.awaiting is None and held + k.shape[2] <= self.budget - self.reserved_slots:
             return super().attend_chunk(input_pos, query, k, v, token_ids)
         originals, out, _, _ = self.join_chunk(input_pos, query, k, v)
         self.awaiting = self.awaiting or originals
         return out
 
-    def chunk_attention(self, input_pos, k, v, q, keys, values, mask):
-        """While peeking: the fused kernel's output and log-sum-exp give each key's largest
-        probability, exp(max over queries of score - lse), with no probability matrix."""
-        if not self.peeking or q.device.type != "cpu":
-            return super().chunk_attention(input_pos, k, v, q, keys, values, mask)
-        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, attn_mask=additive)
-        work = matmul_dtype(keys)
-        scores = (q.to(work) @ keys.to(work).transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
-        largest = (scores.masked_fill_(~mask, float("-inf")) - lse.unsqueeze(-1)).amax(dim=2).exp()
-        torch.maximum(self.max_received, largest, out=self.max_received)
-        return out
+    def peek(self, query, k, v):
+        """A reconstruction chunk, k/v [B, H, N, D] after every held token: attended and dropped.
+
+        The context (the held slots, the same in every head while it awaits its scores) and the
+        chunk (causally) are attended apart and merged by their log-sum-exp, with no mask; each
+        context key's largest probability is exp(max over queries of score - lse), from one matmul in
+        the cache's dtype whose queries carry -lse as extra dimensions."""
+        bsz, n_kv, n, head_dim = k.shape
+        group = query.shape[1] // n_kv
+        held = (self.pos[0, 0] >= 0).nonzero().squeeze(1)
+        keys, values = self.dense()
+        context_k, context_v = keys[:, :, held], values[:, :, held]
+        q = query.reshape(bsz, n_kv, group * n, head_dim)
+        out_context, lse_context = attention_and_lse(q, context_k, context_v)
+        out_chunk, lse_chunk = attention_and_lse(
+            query, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), causal=True
+        )
+        lse_chunk = lse_chunk.reshape(lse_context.shape)
+        lse = torch.logaddexp(lse_context, lse_chunk)
+        out = out_context.float() * (lse_context - lse).exp().unsqueeze(-1)
+        out += out_chunk.float().reshape(out.shape) * (lse_chunk - lse).exp().unsqueeze(-1)
+        neg_lse = -lse.unsqueeze(-1)
+        high = neg_lse.to(q.dtype)  # in two parts, so that half precision keeps the log-sum-exp's
+        queries = torch.cat([q * (1.0 / math.sqrt(head_dim)), high, (neg_lse - high.float()).to(q.dtype)], dim=-1)
+        ones = context_k.new_ones((*context_k.shape[:3], 2))
+        scores = queries @ torch.cat([context_k, ones], dim=-1).transpose(-1, -2)  # score - lse, [B, H, G*N, S]
+        largest = scores.amax(dim=2).float().exp()
+        self.max_received[:, :, held] = torch.maximum(self.max_received[:, :, held], largest)
+        return out.to(query.dtype).view(query.shape)
 
     def insert_state(self, slots, k, state):
         self.write_slots(self.max_received, slots, 0.0)
@@ -85,8 +104,8 @@ class KVzipCache(KVCache):
     def finish_reconstruction(self):
         if self.awaiting is None:
             return
-        budget = self.awaiting["pos"].shape[2] - self.reserved_slots
-        keep = self.prompt_compressor.keep_top(self.pos, self.max_received, budget)
+        budgets = self.budgets(self.awaiting["pos"].shape[2])
+        keep = self.prompt_compressor.keep_top(self.pos, self.max_received, **budgets)
         self.narrow(self.awaiting, keep)
         self.awaiting = None
 
@@ -95,3 +114,16 @@ class KVzipCache(KVCache):
         if self.awaiting is not None:  # a prefill stopped before its reconstruction pass
             self.narrow(self.awaiting, self.pos.new_zeros(*self.pos.shape[:2], 0, dtype=torch.long))
             self.awaiting = None
+
+
+def attention_and_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> tuple[Tensor, Tensor]:
+    """Attention output [B, H, T, D] and the log-sum-exp of each query's scaled scores [B, H, T]; on CPU
+    the fused kernel (no probability matrix), elsewhere from the scores."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal)
+        return out, lse
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(), -math.inf)
+    lse = scores.logsumexp(dim=-1)
+    return ((scores - lse.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse

@@ -67,7 +67,7 @@ def test_chunked_prefill_keeps_the_budget_and_the_global_tokens(name, compressor
 
 
 def test_prefill_passes():
-    caches = [type("C", (), {"max_cache_length": 24})()]
+    caches = [type("C", (), {"budget": 24})()]
     assert generation.prefill_passes(60, caches, 1) == ([(0, 24)], 24)  # the rest through decode steps
     assert generation.prefill_passes(60, caches, None) == ([(0, 60)], 60)
     assert generation.prefill_passes(24, caches, None) == ([(0, 23)], 23)  # the last token by decode

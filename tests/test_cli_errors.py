@@ -96,6 +96,11 @@ CACHE_CASES = {
         ["--cache_strategy", "l2", "random", "keep_it_odd", "recent_global"],
         "do not divide the 30 layers",
     ),
+    "unknown_head_budgets": (["--head_budgets", "greedy"], "--head_budgets greedy is not valid; choose from"),
+    "adaptive_head_budgets_head_constant": (
+        ["--cache_strategy", "tova", "--prompt_compression_strategy", "tova", "--head_budgets", "adaptive"],
+        "scores all heads alike",
+    ),
     "missing_preset": (["--cache_config", "nope"], "cache config 'nope' not found"),
     "preset_name_escaping_cache_configs": (["--cache_config", "../pyproject"], "outside"),
 }

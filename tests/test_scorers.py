@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import strategies
 from cache_args import default_cache_kwargs
@@ -180,8 +181,11 @@ def test_kvzip_keeps_what_the_reconstruction_attends_to_most():
     generator = torch.Generator().manual_seed(5)
     rq, rk, rv = (torch.randn(1, h, n, HEAD_DIM, generator=generator) for h in (HEADS * GROUP, HEADS, HEADS))
     cache.set_peeking(True)
-    cache.attend_chunk(torch.arange(PROMPT, PROMPT + n), rq, rk, rv)
+    out = cache.attend_chunk(torch.arange(PROMPT, PROMPT + n), rq, rk, rv)
     cache.set_peeking(False)
+    sees = torch.ones(n, PROMPT + n, dtype=torch.bool).tril(PROMPT)  # the context, then the chunk causally
+    both = [torch.cat([x, r], dim=2).repeat_interleave(GROUP, dim=1) for x, r in ((k, rk), (v, rv))]
+    assert torch.allclose(out, F.scaled_dot_product_attention(rq, *both, attn_mask=sees), atol=1e-5)
     cache.finish_reconstruction()
     assert cache.reconstruction_prompt() is None and cache.pos.shape[-1] == LENGTH
     for head in range(HEADS):
