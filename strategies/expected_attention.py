@@ -33,10 +33,13 @@ def unrotate(query: Tensor, positions: Tensor, frequencies: Tensor) -> Tensor:
 
 
 def average_rotation(next_pos: Tensor, frequencies: Tensor) -> Tensor:
-    """The rotary rotation [D, D] averaged over positions next_pos .. next_pos + FUTURE_POSITIONS - 1."""
-    positions = next_pos.double().view(-1)[:1] + torch.arange(FUTURE_POSITIONS, device=frequencies.device)
-    angles = positions.view(-1, 1) * frequencies.double()
-    cos, sin = torch.diag(angles.cos().mean(0)).float(), torch.diag(angles.sin().mean(0)).float()
+    """The rotary rotation [D, D] averaged over positions next_pos .. next_pos + FUTURE_POSITIONS - 1,
+    in closed form: the mean of cos(a + p t) over p < P is sin(P t / 2) / (P sin(t / 2)) cos(a + (P - 1) t / 2),
+    likewise for sin, so a decode step costs O(D) whatever P."""
+    theta = frequencies.double()
+    middle = (next_pos.double().view(-1)[:1] + (FUTURE_POSITIONS - 1) / 2) * theta
+    shrink = torch.sin(FUTURE_POSITIONS * theta / 2) / (FUTURE_POSITIONS * torch.sin(theta / 2))
+    cos, sin = torch.diag(shrink * middle.cos()).float(), torch.diag(shrink * middle.sin()).float()
     return torch.cat([torch.cat([cos, -sin], dim=1), torch.cat([sin, cos], dim=1)], dim=0)
 
 
