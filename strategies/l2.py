@@ -7,12 +7,16 @@ from prompt_compression import PromptCompressor
 
 
 class L2Compressor(PromptCompressor):
-    """Lowest key norms, per head."""
+    """Lowest key norms, per head: a key's norm relative to its head's mean, so that heads sharing a
+    budget (adaptive head budgets) compare on one scale; within a head the order is the norm's."""
 
     head_specific = True
 
     def score(self, key_pos, k, v, query):
-        return -k.float().norm(dim=-1)
+        norm = k.float().norm(dim=-1)
+        candidate = (key_pos >= 0).expand_as(norm)
+        mean = (norm * candidate).sum(-1, keepdim=True) / candidate.sum(-1, keepdim=True).clamp(min=1)
+        return -norm / mean.clamp(min=torch.finfo(norm.dtype).tiny)
 
 
 class L2Cache(KVCache):

@@ -39,6 +39,14 @@ def test_commands_run_the_full_cache_once_per_mode_and_each_strategy_with_its_co
     )
 
 
+def test_adaptive_head_budgets_run_where_the_compressor_scores_heads_apart():
+    argv = ["--strategies", "l2", "tova", "--budgets", "0.25", "--modes", "context_only"]
+    lines = compare.commands(compare.build_parser().parse_args([*argv, "--head_budgets", "uniform", "adaptive"]), [])
+    assert sum("--head_budgets adaptive" in line for line in lines) == 1  # l2's; tova ranks all heads alike
+    assert any("--cache_strategy l2" in line and "--head_budgets adaptive" in line for line in lines)
+    assert sum("--head_budgets uniform" in line for line in lines) == 2
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

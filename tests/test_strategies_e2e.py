@@ -101,6 +101,8 @@ def expected_layer_bytes(strategy, cache_len, n_kv, head_dim, elem, bits=None, h
     total = kv + slots * 4  # pos (int32)
     if strategy == "heavy_hitter":
         total += slots * history_window_size * 4 + slots * 4 + 8  # history, counter (float32), step (int64)
+    if strategy == "l2":
+        total += slots * 4  # key norms (float32)
     return total
 
 
@@ -140,6 +142,30 @@ def test_needle_in_a_haystack_statistics_by_hand(bits, tmp_path, capsys):
     assert int(row["cache_memory_bytes"]) == sum(per_layer)
     assert f"compression ratio: {ratio:.4f}" in out
     assert f"cache memory: {sum(per_layer) / 2**20:.2f} MiB" in out
+
+
+@pytest.mark.slow
+def test_adaptive_head_budgets_report_allocated_and_kept_bytes_by_hand(tmp_path, capsys):
+    """l2 at 25% with adaptive head budgets through generate.py: every layer allocates twice the
+    uniform slots, keeps heads x budget tokens, and the two byte counts are printed apart."""
+    csv_path = tmp_path / "stats.csv"
+    argv = ["--prompt", "long_niah.txt", "--max_cache_length", "0.25", "--max_new_tokens", "4", "--cache_config", "l2",
+            "--head_budgets", "adaptive", "--device", "cpu", "--csv", str(csv_path)]  # fmt: skip
+    generate_cli.main(argv)
+    out = capsys.readouterr().out
+    (row,) = list(csv.DictReader(csv_path.open()))
+    config = generation.checkpoint_config(DEFAULT_CHECKPOINT)
+    prompt_tokens, new_tokens = int(row["prompt_tokens"]), int(row["new_tokens"])
+    seq_len = prompt_tokens + 4
+    budget = math.ceil(0.25 * seq_len / 8) * 8
+    capacity = min(seq_len, math.ceil(2 * budget / 8) * 8)
+    allocated = expected_layer_bytes("l2", capacity, config.n_local_heads, config.head_dim, 2)
+    n = prompt_tokens + new_tokens - 1
+    assert json.loads(row["cache_memory_bytes_per_layer"]) == [allocated] * 30
+    assert json.loads(row["kept_memory_bytes_per_layer"]) == [round(allocated * budget / capacity)] * 30
+    assert float(row["compression_ratio"]) == pytest.approx((n - budget) / n, rel=1e-12)
+    kept = 30 * round(allocated * budget / capacity)
+    assert f"cache memory: {30 * allocated / 2**20:.2f} MiB allocated, {kept / 2**20:.2f} MiB of it kept" in out
 
 
 def test_generate_profile_writes_a_chrome_trace(tmp_path, capsys):
