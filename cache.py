@@ -1,6 +1,7 @@
 """The KV cache's shared mechanics, its hyper-parameters, and the per-layer factory.
 
-Every cache holds fixed-size buffers of `max_cache_length` slots. The base class owns what all
+Every cache holds fixed-size buffers of `max_cache_length` slots per head (with adaptive head budgets,
+a larger capacity within which the heads of a layer share their budget). The base class owns what all
 strategies share -- filling empty slots first, never evicting global or recent tokens, overwriting
 the lowest-scored slot, prompt compression at prefill, quantized storage and statistics -- so that a
 strategy (one module in `strategies/`) is a `score()` method plus whatever state that score needs.
