@@ -101,8 +101,6 @@ def expected_layer_bytes(strategy, cache_len, n_kv, head_dim, elem, bits=None, h
     total = kv + slots * 4  # pos (int32)
     if strategy == "heavy_hitter":
         total += slots * history_window_size * 4 + slots * 4 + 8  # history, counter (float32), step (int64)
-    if strategy == "l2":
-        total += slots * 4  # key norms (float32)
     return total
 
 
@@ -159,7 +157,8 @@ def test_adaptive_head_budgets_report_allocated_and_kept_bytes_by_hand(tmp_path,
     seq_len = prompt_tokens + 4
     budget = math.ceil(0.25 * seq_len / 8) * 8
     capacity = min(seq_len, math.ceil(2 * budget / 8) * 8)
-    allocated = expected_layer_bytes("l2", capacity, config.n_local_heads, config.head_dim, 2)
+    norms = config.n_local_heads * capacity * 4  # l2's key norms (float32)
+    allocated = expected_layer_bytes("l2", capacity, config.n_local_heads, config.head_dim, 2) + norms
     n = prompt_tokens + new_tokens - 1
     assert json.loads(row["cache_memory_bytes_per_layer"]) == [allocated] * 30
     assert json.loads(row["kept_memory_bytes_per_layer"]) == [round(allocated * budget / capacity)] * 30
