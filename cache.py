@@ -244,9 +244,11 @@ class KVCache(nn.Module):
 
     def allocate(self, keep: Tensor) -> None:
         """After the first slots took the candidates `keep` [B, H, n]: those of index -1 become
-        unallocated, the others free or filled (a chosen unallocated candidate becomes a free slot)."""
+        unallocated, the others free or filled (a chosen unallocated candidate becomes a free slot);
+        the slots after them are free (the room reserved for what is still to come)."""
         first = self.pos[:, :, : keep.shape[-1]]
         first.copy_(torch.where(keep < 0, UNALLOCATED, first.clamp(min=EMPTY)))
+        self.pos[:, :, keep.shape[-1] :] = EMPTY
 
     @torch.compiler.disable  # swaps in wider buffers for the chunk's duration
     def attend_chunk(self, input_pos: Tensor, query: Tensor, k: Tensor, v: Tensor, token_ids=None) -> Tensor:
@@ -257,10 +259,10 @@ class KVCache(nn.Module):
         attention output [B, H_q, N, D]."""
         length = self.max_cache_length
         originals, out, keys, values = self.join_chunk(input_pos, query, k, v)
-        if self.peeking:
-            keep = torch.arange(length, device=k.device).view(1, 1, -1)
-        else:
-            keep = self.prompt_compressor(self.pos, keys, values, query, **self.budgets(length))
+        if self.peeking:  # read and dropped: the original buffers come back untouched
+            self.narrow(originals, None)
+            return out
+        keep = self.prompt_compressor(self.pos, keys, values, query, **self.budgets(length))
         self.narrow(originals, keep.expand(*k.shape[:2], -1))
         return out
 
@@ -322,9 +324,14 @@ class KVCache(nn.Module):
         self.set_length(self.max_cache_length + n)
         return originals
 
-    def narrow(self, originals: dict[str, Tensor], keep: Tensor) -> None:
+    def narrow(self, originals: dict[str, Tensor], keep: Tensor | None) -> None:
         """Back to the original buffers: their first slots take the widened ones' slots `keep`
-        [B, H, n] (-1: unallocated), the rest are emptied."""
+        [B, H, n] (-1: unallocated), the rest are emptied; None: back to them as they were."""
+        if keep is None:
+            for name, buffer in originals.items():
+                setattr(self, name, buffer)
+            self.set_length(originals["pos"].shape[2])
+            return
         n = keep.shape[-1]
         chosen = keep.clamp(min=0)
         for name, buffer in originals.items():
@@ -420,7 +427,7 @@ class KVCache(nn.Module):
         held = (self.pos >= 0).sum(-1).float().mean().item()
         kept = held * self.cache_bits / 16 if self.cache_bits is not None else held
         stats = {"compression_ratio": (seq_len - kept) / seq_len, "cache_memory_bytes": state_bytes(self)}
-        if self.max_cache_length > self.budget:  # adaptive head budgets: allocated slots outnumber kept ones
+        if self.head_budgets == "adaptive":  # allocated slots may outnumber kept ones
             stats["kept_memory_bytes"] = round(state_bytes(self) * held / self.max_cache_length)
         return stats
 

@@ -128,6 +128,11 @@ def check_values(cache_kwargs: dict) -> None:
         p.validate(cache_kwargs.get(p.name, p.default))
     if cache_kwargs.get("prefill_chunk_size") is not None:
         check_value("--prefill_chunk_size", cache_kwargs["prefill_chunk_size"], minimum=1)
+        if cache_kwargs["prefill_chunk_size"] == 1 and cache_kwargs.get("head_budgets") == "adaptive":
+            raise ValueError(
+                "--head_budgets adaptive shares a compressed prompt, but --prefill_chunk_size 1 feeds it token by "
+                "token; give --prefill_chunk_size above 1"
+            )
         if cache_kwargs["prefill_chunk_size"] == 1 and cache_kwargs.get("context_only"):
             raise ValueError(
                 "--context_only with one token at a time would let the question evict context tokens as it is "

@@ -59,7 +59,9 @@ class PromptCompressor:
         n_heads, n = score.shape[1], min(capacity, score.shape[-1])
         floor = min(budget, max(math.ceil(HEAD_FLOOR * budget), self.global_tokens + self.recent_window + 1))
         best = score.topk(n, dim=-1)
-        ranked = torch.where(torch.arange(n, device=score.device) < floor, math.inf, best.values)
+        rank = torch.arange(n, device=score.device)
+        ranked = torch.where(rank < floor, math.inf, best.values)
+        ranked = torch.where(ranked == -math.inf, -1e30 * (1.0 + rank), ranked)  # spare slots go round the heads
         chosen = ranked.flatten(1).topk(budget * n_heads, dim=-1).indices
         taken = torch.zeros_like(ranked, dtype=torch.bool).flatten(1).scatter_(1, chosen, True).view_as(ranked)
         keep = torch.where(taken, best.indices, -1)

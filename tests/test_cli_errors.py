@@ -101,6 +101,10 @@ CACHE_CASES = {
         ["--cache_strategy", "tova", "--prompt_compression_strategy", "tova", "--head_budgets", "adaptive"],
         "scores all heads alike",
     ),
+    "adaptive_head_budgets_token_by_token": (
+        ["--cache_config", "l2", "--head_budgets", "adaptive", "--prefill_chunk_size", "1"],
+        "--head_budgets adaptive shares a compressed prompt",
+    ),
     "missing_preset": (["--cache_config", "nope"], "cache config 'nope' not found"),
     "preset_name_escaping_cache_configs": (["--cache_config", "../pyproject"], "outside"),
 }

@@ -124,3 +124,27 @@ def test_every_head_specific_strategy_shares_its_budget(name, chunk, tiny):
             kept = [p for p in head_pos if p >= 0]
             assert len(kept) == len(set(kept)) and {0, 1} <= set(kept)
     assert stats["cache_memory_bytes"] > stats["kept_memory_bytes"]
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        dict(cache_strategy=["kvzip", "l2"], prompt_compression_strategy=["recent_global", "l2"]),
+        dict(cache_strategy=["full", "l2"], prompt_compression_strategy=["full", "l2"], max_cache_length=[1.0, 0.25]),
+    ],
+    ids=["beside_kvzip", "beside_full"],
+)
+def test_shares_survive_a_reconstruction_pass_and_a_question(layers, tiny):
+    """Context-only in chunks, beside a kvzip layer (whose reconstruction pass every layer reads) or
+    a full one: each compressing layer ends holding heads x budget tokens, no head grown past its share."""
+    kwargs = default_cache_kwargs(
+        **{"max_cache_length": [0.25], **layers}, global_tokens=2, recent_window=4, head_budgets="adaptive",
+        context_only=True, prefill_chunk_size=16,
+    )  # fmt: skip
+    check_compatibility(kwargs, tiny.config.n_layer)
+    torch.manual_seed(0)
+    generation.generate(tiny, tiny_prompt(80, seed=3), 8, kwargs, context_length=70)
+    for layer in tiny.layers:
+        cache = layer.attention.kv_cache
+        if cache.budget < cache.pos.shape[-1]:
+            assert int((cache.pos >= 0).sum()) == cache.pos.shape[1] * cache.budget
