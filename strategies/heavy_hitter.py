@@ -122,10 +122,12 @@ def keep_top_fraction(attn: Tensor, fraction: float, filled: Tensor) -> Tensor:
     return torch.where(attn >= threshold, attn, torch.zeros_like(attn))
 
 
-def cpu_flash_attention(query: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
-    """Causal attention (heads already repeated for GQA) and each query's log-sum-exp [B, H, T]:
-    the kernel behind SDPA on CPU, bit-identical to it, which also returns the log-sum-exp."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scale)[:2]
+def cpu_flash_attention(
+    query: Tensor, k: Tensor, v: Tensor, scale: float | None = None, causal: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Attention (heads already repeated for GQA) and each query's log-sum-exp [B, H, T]: the kernel
+    behind SDPA on CPU, bit-identical to it, which also returns the log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, causal, scale=scale)[:2]
 
 
 def prompt_attention(

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cache import KVCache
+from strategies.heavy_hitter import cpu_flash_attention
 
 REPEAT_REQUEST = "\n\nRepeat the previous context exactly.\n"
 
@@ -120,8 +121,7 @@ def attention_and_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> 
     """Attention output [B, H, T, D] and the log-sum-exp of each query's scaled scores [B, H, T]; on CPU
     the fused kernel (no probability matrix), elsewhere from the scores."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal)
-        return out, lse
+        return cpu_flash_attention(q, k, v, causal=causal)
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
     if causal:
         scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(), -math.inf)
