@@ -99,6 +99,8 @@ class KVCache(nn.Module):
     natural_compressor = None  # the prompt compressor for it in sweeps and benchmarks (None: the default one)
     prompt_compressor_class = None  # its own compressor, registered under its name
     params: tuple[Param, ...] = ()  # its own hyper-parameters
+    # Buffers other than the per-slot ones that hold one value per sequence, by the dim that indexes it.
+    row_state: dict[str, int] = {"recent_window": 0}
     shared_kwargs = ("max_cache_length", "global_tokens", "recent_window", "cache_bits")  # the shared ones it reads
 
     @classmethod
@@ -140,7 +142,9 @@ class KVCache(nn.Module):
         self.max_cache_length = max_cache_length
         self.head_dim = head_dim
         self.global_tokens = global_tokens
-        self.recent_window = resolve_recent_window(recent_window, self.budget, global_tokens)
+        window = resolve_recent_window(recent_window, self.budget, global_tokens)
+        # Per sequence: in a batch each row keeps the window of its own cache length.
+        self.register_buffer("recent_window", torch.full((max_batch_size,), window), persistent=False)
         self.cache_bits = cache_bits
         self.dtype = dtype
         self.prompt_compressor = prompt_compressor
@@ -199,12 +203,13 @@ class KVCache(nn.Module):
         self.pos[:, :, self.budget :].fill_(UNALLOCATED)  # until adaptive budgets share the capacity out
 
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor, is_prefill: bool = False, query=None, **kwargs):
-        """Inserts k/v [B, H, T, D]; returns the keys, values and slot mask attention must use."""
+        """Inserts k/v [B, H, T, D] (decode: T = 1 at input_pos [1] or one per sequence [B, 1]); returns
+        the keys, values and slot mask attention must use."""
         if is_prefill:
             self.prefill(input_pos, k, v, query)
         else:
             slots = self.eviction_slots(input_pos)
-            self.write(slots, input_pos.view(1, 1, 1).expand_as(slots), k, v)
+            self.write(slots, input_pos.view(-1, 1, 1).expand_as(slots), k, v)
             self.insert_state(slots, k, {})
         keys, values = self.read()
         return keys, values, self.pos >= 0
@@ -212,7 +217,8 @@ class KVCache(nn.Module):
     def eviction_slots(self, input_pos: Tensor) -> Tensor:
         """Slot [B, H, 1] for the next token: an empty one if any, else the least important evictable."""
         score = self.score(input_pos).expand_as(self.pos)
-        protected = (self.pos < self.global_tokens) | (self.pos >= input_pos - self.recent_window)
+        recent = input_pos.view(-1, 1, 1) - self.recent_window.view(-1, 1, 1)
+        protected = (self.pos < self.global_tokens) | (self.pos >= recent)
         score = torch.where(protected, math.inf, score)
         score = torch.where(self.pos == EMPTY, -math.inf, score)  # unallocated slots count as protected
         return score.argmin(dim=-1, keepdim=True)
@@ -341,6 +347,22 @@ class KVCache(nn.Module):
             setattr(self, name, buffer)
         self.set_length(originals["pos"].shape[2])
         self.allocate(keep)
+
+    def join_batch(self, batch: "KVCache", row: int) -> None:
+        """Copies this one-sequence cache into row `row` of `batch` (a cache of the same strategy with
+        at least as many slots; the row's slots past ours become unallocated), then becomes a view of
+        that row: the batch decodes, and this cache reports the row's statistics as if it ran alone."""
+        length = self.pos.shape[2]
+        if batch.pos.shape[2] < length:
+            raise ValueError(f"a batch cache of {batch.pos.shape[2]} slots cannot take a row of {length}")
+        per_slot = self.per_slot_buffers()
+        for name in per_slot:
+            getattr(batch, name)[row, :, length:].fill_(UNALLOCATED if name == "pos" else 0)
+        for name, dim in [(name, 0) for name in per_slot] + list(self.row_state.items()):
+            own = getattr(self, name)
+            target = getattr(batch, name).narrow(dim, row, 1)[tuple(slice(0, n) for n in own.shape)]
+            target.copy_(own)
+            setattr(self, name, target)
 
     def set_length(self, length: int) -> None:
         self.max_cache_length = length

@@ -102,7 +102,9 @@ def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor
     return model(x, input_pos, is_prefill=False)[:, -1]
 
 
-def setup_caches(model: Transformer, cache_kwargs: dict, prompt_length: int, max_new_tokens: int) -> list:
+def setup_caches(
+    model: Transformer, cache_kwargs: dict, prompt_length: int, max_new_tokens: int, batch_size: int = 1
+) -> list:
     config = model.config
     device, dtype = model.output.weight.device, model.output.weight.dtype
     caches = create_caches(
@@ -114,6 +116,7 @@ def setup_caches(model: Transformer, cache_kwargs: dict, prompt_length: int, max
         max_new_tokens,
         device,
         dtype,
+        batch_size,
     )
     model.setup_caches(caches, prompt_length + max_new_tokens)
     return caches
@@ -339,35 +342,45 @@ def run_statistics(
 def decode_from(
     model: Transformer,
     logits: Tensor,
-    start: int,
+    start,
     max_new_tokens: int,
     steps: dict,
     terminator_ids=(),
     temperature: float = 0.0,
     top_k: int | None = None,
     callback=None,
-) -> tuple[Tensor, float]:
-    """Samples up to max_new_tokens, the first from `logits`, the next by decode steps from position
-    `start`, stopping after a terminator; returns the tokens and the decode seconds."""
+    on_finish=None,
+) -> tuple[list[Tensor], list[float]]:
+    """Samples up to max_new_tokens for each sequence of logits [B, vocab], the first from `logits`,
+    the next by decode steps from position start[b] (an int when B = 1), stopping a sequence after a
+    terminator. A finished sequence keeps stepping while others run (the step's shapes are fixed)
+    and its later tokens are dropped; `on_finish(b, n_tokens, seconds)` sees it as it finishes,
+    before another step changes its caches. `callback(token_id)` streams a single sequence's tokens.
+    Returns each sequence's tokens and decode seconds."""
     device = model.output.weight.device
-    next_token = sample(logits, temperature, top_k)
-    new_tokens = [next_token.view(1)]
+    bsz = logits.shape[0]
+    positions = torch.as_tensor(start, device=device).view(-1, 1)
     terminators = torch.tensor(list(terminator_ids) or [-1], device=device)
-    if callback:
-        callback(int(next_token))
-    done = bool(torch.isin(next_token, terminators))
+    next_token = sample(logits, temperature, top_k)
+    tokens, n_tokens, seconds = [next_token], [0] * bsz, [0.0] * bsz
     decode_start = time.perf_counter()
-    for pos in range(start, start + max_new_tokens - 1):
-        if done:
-            break
-        logits = steps["decode"](model, next_token.view(1, 1), torch.tensor([pos], device=device))
-        next_token = sample(logits, temperature, top_k)
-        new_tokens.append(next_token.view(1))
+    for step in range(max_new_tokens):
+        if step:
+            next_token = sample(steps["decode"](model, next_token, positions + step - 1), temperature, top_k)
+            tokens.append(next_token)
         if callback:
-            callback(int(next_token))
-        done = bool(torch.isin(next_token, terminators))
+            callback(int(next_token[0]))
+        ended = torch.isin(next_token.view(-1), terminators).tolist()
+        for b in range(bsz):
+            if not n_tokens[b] and (ended[b] or step == max_new_tokens - 1):
+                n_tokens[b], seconds[b] = step + 1, time.perf_counter() - decode_start
+                if on_finish:
+                    on_finish(b, step + 1, seconds[b])
+        if all(n_tokens):
+            break
     synchronize(device)
-    return torch.cat(new_tokens), time.perf_counter() - decode_start
+    tokens = torch.cat(tokens, dim=1)
+    return [tokens[b, :n] for b, n in enumerate(n_tokens)], seconds
 
 
 @torch.no_grad()
@@ -390,15 +403,67 @@ def generate(
     `context_length`: the prompt's first tokens are compressed before the rest is seen (context-only),
     and `on_context(caches)` sees the caches then (to save them).
     """
+    sampling = {"terminator_ids": terminator_ids, "temperature": temperature, "top_k": top_k, "callback": callback}
+    return generate_batch(
+        model, [prompt_ids], max_new_tokens, cache_kwargs, **sampling, steps=steps, context_lengths=[context_length],
+        on_context=on_context,
+    )[0]  # fmt: skip
+
+
+@torch.no_grad()
+def generate_batch(
+    model: Transformer,
+    prompts: list[Tensor],
+    max_new_tokens: int,
+    cache_kwargs: dict,
+    terminator_ids=(),
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    callback=None,
+    steps: dict | None = None,
+    context_lengths: list[int | None] | None = None,
+    on_context=None,
+    seeds: list[int] | None = None,
+) -> list[tuple[Tensor, dict]]:
+    """`generate` for several prompts of any lengths at once; returns (new tokens, statistics) per prompt.
+
+    Each prompt is prefilled alone, into caches of its own size, compressed on its own (so no padding
+    ever enters a cache); then its caches join one batch cache per layer as a row (the row's slots
+    past its own size unallocated) and the sequences decode together, each at its own positions.
+    Each prompt's statistics are its own, as if it ran alone; decode seconds run until it finished.
+    `seeds`: a torch seed set before each prompt's prefill, so random eviction repeats alone.
+    """
     steps = steps or STEPS
-    prompt_ids = prompt_ids.reshape(-1).to(model.output.weight.device)
-    prompt_length = prompt_ids.numel()
-    logits, caches, prefill_time = prefill_prompt(
-        model, prompt_ids, max_new_tokens, cache_kwargs, steps, context_length, on_context
-    )
-    sampling = (terminator_ids, temperature, top_k, callback)
-    tokens, decode_time = decode_from(model, logits, prompt_length, max_new_tokens, steps, *sampling)
-    return tokens, run_statistics(prompt_length, len(tokens), prefill_time, decode_time, caches)
+    device = model.output.weight.device
+    prompts = [p.reshape(-1).to(device) for p in prompts]
+    lengths = [p.numel() for p in prompts]
+    context_lengths = context_lengths or [None] * len(prompts)
+    batch_caches = None
+    if len(prompts) > 1:  # the longest prompt sizes every layer's largest cache
+        batch_caches = setup_caches(model, cache_kwargs, max(lengths), max_new_tokens, batch_size=len(prompts))
+    logits, rows = [], []
+    for b, (prompt, context_length) in enumerate(zip(prompts, context_lengths)):
+        if seeds is not None:
+            torch.manual_seed(seeds[b])
+        last, caches, prefill_time = prefill_prompt(
+            model, prompt, max_new_tokens, cache_kwargs, steps, context_length, on_context
+        )
+        if batch_caches is not None:
+            for cache, batch_cache in zip(caches, batch_caches):
+                cache.join_batch(batch_cache, b)
+        logits.append(last)
+        rows.append((caches, prefill_time))
+    if batch_caches is not None:
+        model.setup_caches(batch_caches, max(lengths) + max_new_tokens)
+    statistics = [None] * len(prompts)
+
+    def finished(b: int, n_tokens: int, decode_time: float) -> None:
+        caches, prefill_time = rows[b]
+        statistics[b] = run_statistics(lengths[b], n_tokens, prefill_time, decode_time, caches)
+
+    sampling = (terminator_ids, temperature, top_k, callback, finished)
+    tokens, _ = decode_from(model, torch.cat(logits), torch.tensor(lengths), max_new_tokens, steps, *sampling)
+    return list(zip(tokens, statistics))
 
 
 @torch.no_grad()
@@ -469,6 +534,7 @@ def answer_from(
     prompt_length = context_length + question.numel()
     sampling = (terminator_ids, temperature, top_k, callback)
     tokens, decode_time = decode_from(model, logits, prompt_length, max_new_tokens, steps, *sampling)
+    tokens, decode_time = tokens[0], decode_time[0]
     prefilled = context_prefill[1] + question.numel()
     return tokens, run_statistics(prompt_length, len(tokens), prefill_time, decode_time, caches, prefilled)
 

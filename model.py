@@ -211,7 +211,8 @@ class Transformer(nn.Module):
     def forward(
         self, idx: Tensor, input_pos: Tensor, is_prefill: bool = False, last_only: bool = False, extends: bool = False
     ) -> Tensor:
-        """idx [B, T] at positions input_pos [T]; returns logits [B, T, vocab] in float32.
+        """idx [B, T] at positions input_pos [T], or one token per sequence at its own position
+        (input_pos [B, 1], decode of a batch); returns logits [B, T, vocab] in float32.
 
         `last_only` projects only the last position: prefill needs no more, and the T x vocab
         logits would dominate its memory. `extends`: a prefill that continues what the caches hold
@@ -425,8 +426,8 @@ def precompute_freqs_cis(seq_len: int, n_elem: int, base: float, rope_scaling: d
 def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
     """Rotates pairs (x[i], x[i + d/2]) -- the HF layout, so HF weights load without permutation."""
     half = x.shape[-1] // 2
-    cos = freqs_cis[..., 0].view(1, x.size(1), 1, half)
-    sin = freqs_cis[..., 1].view(1, x.size(1), 1, half)
+    cos = freqs_cis[..., 0].view(-1, x.size(1), 1, half)  # [1, T, ...] shared, or [B, 1, ...] per sequence
+    sin = freqs_cis[..., 1].view(-1, x.size(1), 1, half)
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)

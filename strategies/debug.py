@@ -17,12 +17,13 @@ class DebugCache(FullCache):
 
     shared_kwargs = ()
     needs_attention = True
+    row_state = {**FullCache.row_state, "attention_loss": 0, "steps": 0}
 
     def __init__(self, *args, simulated: KVCache, **kwargs):
         super().__init__(*args, **{**kwargs, "cache_bits": None})
         self.simulated = simulated
-        self.register_buffer("attention_loss", torch.zeros(self.max_cache_length))
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("attention_loss", torch.zeros(self.pos.shape[0], self.max_cache_length))
+        self.register_buffer("steps", torch.zeros(self.pos.shape[0], dtype=torch.long))
 
     def update_kv(self, input_pos, k, v, is_prefill=False, query=None, **kwargs):
         keys, values, mask = self.simulated.update_kv(input_pos, k, v, is_prefill, query, **kwargs)
@@ -45,8 +46,12 @@ class DebugCache(FullCache):
         held.scatter_add_(2, simulated_pos.clamp(min=0), (simulated_pos >= 0).float())  # empties add 0
         held_slots = held.gather(2, self.pos.clamp(min=0)) * (self.pos >= 0)
         lost_mass = (attn[:, :, :, -1].float() * (1.0 - held_slots).unsqueeze(2)).sum(-1)
-        self.attention_loss.index_put_((self.steps,), lost_mass.mean())
+        self.attention_loss.scatter_(1, self.steps.view(-1, 1), lost_mass.mean(dim=(1, 2)).view(-1, 1))
         self.steps.add_(1)
+
+    def join_batch(self, batch, row):
+        super().join_batch(batch, row)
+        self.simulated.join_batch(batch.simulated, row)
 
     def reconstruction_prompt(self):
         return self.simulated.reconstruction_prompt()
@@ -69,7 +74,7 @@ class DebugCache(FullCache):
 
     def compute_statistics(self, seq_len):
         stats = self.simulated.compute_statistics(seq_len)
-        losses = self.attention_loss[: int(self.steps)]
+        losses = self.attention_loss[0, : int(self.steps[0])]  # a cache of one sequence, or a batch's row
         stats["attention_loss"] = losses.mean().item() if len(losses) else 0.0
         for first in range(500, len(losses) + 1, 500):
             stats[f"attention_loss_first_{first}"] = losses[:first].mean().item()

@@ -24,8 +24,10 @@ QUERY_WINDOW = 128
 
 
 def unrotate(query: Tensor, positions: Tensor, frequencies: Tensor) -> Tensor:
-    """Queries [B, H, T, D] at positions [T] before the rotary embedding (pairs x[i], x[i + D/2])."""
-    angles = positions.double().view(-1, 1) * frequencies.double()
+    """Queries [B, H, T, D] at positions [T] (or one per sequence, [B, 1]) before the rotary embedding
+    (pairs x[i], x[i + D/2])."""
+    angles = positions.double().unsqueeze(-1) * frequencies.double()
+    angles = angles.view(*positions.shape[:-1], 1, *angles.shape[-2:])
     cos, sin = angles.cos().float(), angles.sin().float()
     half = query.shape[-1] // 2
     x1, x2 = query.float()[..., :half], query.float()[..., half:]
@@ -33,29 +35,32 @@ def unrotate(query: Tensor, positions: Tensor, frequencies: Tensor) -> Tensor:
 
 
 def average_rotation(next_pos: Tensor, frequencies: Tensor) -> Tensor:
-    """The rotary rotation [D, D] averaged over positions next_pos .. next_pos + FUTURE_POSITIONS - 1,
+    """The rotary rotation [N, D, D] averaged over positions p .. p + FUTURE_POSITIONS - 1 for each of
+    the N next positions p (one, or one per sequence),
     in closed form: the mean of cos(a + p t) over p < P is sin(P t / 2) / (P sin(t / 2)) cos(a + (P - 1) t / 2),
     likewise for sin, so a decode step costs O(D) whatever P."""
     theta = frequencies.double()
-    middle = (next_pos.double().view(-1)[:1] + (FUTURE_POSITIONS - 1) / 2) * theta
+    middle = (next_pos.double().view(-1, 1) + (FUTURE_POSITIONS - 1) / 2) * theta
     shrink = torch.sin(FUTURE_POSITIONS * theta / 2) / (FUTURE_POSITIONS * torch.sin(theta / 2))
-    cos, sin = torch.diag(shrink * middle.cos()).float(), torch.diag(shrink * middle.sin()).float()
-    return torch.cat([torch.cat([cos, -sin], dim=1), torch.cat([sin, cos], dim=1)], dim=0)
+    cos, sin = torch.diag_embed(shrink * middle.cos()).float(), torch.diag_embed(shrink * middle.sin()).float()
+    return torch.cat([torch.cat([cos, -sin], dim=-1), torch.cat([sin, cos], dim=-1)], dim=-2)
 
 
 def query_samples(query: Tensor, positions: Tensor, frequencies: Tensor, n_kv: int) -> Tensor:
     """The last QUERY_WINDOW positions' queries, unrotated, as samples of their KV head [B, H_kv, n, D]."""
-    query, positions = query[:, :, -QUERY_WINDOW:], positions[-QUERY_WINDOW:]
+    query, positions = query[:, :, -QUERY_WINDOW:], positions[..., -QUERY_WINDOW:]
     bsz, n_head, n, head_dim = query.shape
     return unrotate(query, positions, frequencies).reshape(bsz, n_kv, n_head // n_kv * n, head_dim)
 
 
 def expected_attention(key_pos, keys, values, mean, second, next_pos, frequencies) -> Tensor:
     """Scores [B, H, S] of keys/values [B, H, S, D] at key_pos (-1: empty) for queries of mean [B, H, D]
-    and second moment [B, H, D, D] (unrotated), rotated as the next positions will be."""
+    and second moment [B, H, D, D] (unrotated), rotated as the next positions (next_pos: [1], or one
+    per sequence) will be."""
     covariance = second - mean.unsqueeze(-1) * mean.unsqueeze(-2)
-    rotation = average_rotation(next_pos, frequencies)
-    mean, covariance = mean @ rotation.T, rotation @ covariance @ rotation.T
+    rotation = average_rotation(next_pos, frequencies).unsqueeze(1)  # [B or 1, 1, D, D]
+    mean = (rotation @ mean.unsqueeze(-1)).squeeze(-1)
+    covariance = rotation @ covariance @ rotation.transpose(-1, -2)
     k = keys.float()
     head_dim = k.shape[-1]
     logits = (k @ mean.unsqueeze(-1)).squeeze(-1) / math.sqrt(head_dim)
@@ -85,6 +90,7 @@ class ExpectedAttentionCache(KVCache):
     """Keeps running query moments per KV head; each step scores what the cache holds afresh."""
 
     name = "expected_attention"
+    row_state = {**KVCache.row_state, "query_sum": 1, "query_outer_sum": 2, "query_weight": 0}
     head_specific = True
     natural_compressor = "expected_attention"
     prompt_compressor_class = ExpectedAttentionCompressor
@@ -96,10 +102,10 @@ class ExpectedAttentionCache(KVCache):
         # Stored [D or D x D, B, H] so that no moment has the [B, H, L] shape of a per-slot buffer.
         self.register_buffer("query_sum", torch.zeros(head_dim, bsz, n_heads))
         self.register_buffer("query_outer_sum", torch.zeros(head_dim, head_dim, bsz, n_heads))
-        self.register_buffer("query_weight", torch.zeros(()))
+        self.register_buffer("query_weight", torch.zeros(bsz))
 
     def record_queries(self, input_pos: Tensor, query: Tensor) -> None:
-        """Adds the queries [B, H_q, T, D] at input_pos [T] to the moments; older ones fade."""
+        """Adds the queries [B, H_q, T, D] at input_pos [T] (or [B, 1]) to the moments; older ones fade."""
         samples = query_samples(query, input_pos, self.rope_frequencies, self.pos.shape[1])
         n, group = samples.shape[2], query.shape[1] // self.pos.shape[1]
         fade = (1 - 1 / (QUERY_WINDOW * group)) ** n
@@ -117,9 +123,9 @@ class ExpectedAttentionCache(KVCache):
         return super().attend_chunk(input_pos, query, k, v, token_ids)
 
     def score(self, input_pos):
-        weight = self.query_weight.clamp(min=1)
+        weight = self.query_weight.clamp(min=1).view(-1, 1, 1)
         mean = self.query_sum.permute(1, 2, 0) / weight
-        second = self.query_outer_sum.permute(2, 3, 0, 1) / weight
+        second = self.query_outer_sum.permute(2, 3, 0, 1) / weight.unsqueeze(-1)
         keys, values = self.dense()
         return expected_attention(self.pos, keys, values, mean, second, input_pos, self.rope_frequencies)
 

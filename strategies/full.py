@@ -30,4 +30,4 @@ class FullCache(KVCache):
 
     def eviction_slots(self, input_pos):
         """Slot i holds position i: no scoring needed on the hot path."""
-        return input_pos.view(1, 1, 1).expand(*self.pos.shape[:2], 1)
+        return input_pos.view(-1, 1, 1).expand(*self.pos.shape[:2], 1)

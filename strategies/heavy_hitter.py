@@ -45,6 +45,7 @@ class HeavyHitterCache(KVCache):
     """
 
     name = "heavy_hitter"
+    row_state = {**KVCache.row_state, "step": 0}
     head_specific = True
     needs_attention = True
     natural_compressor = "heavy_hitter"
@@ -62,7 +63,7 @@ class HeavyHitterCache(KVCache):
         self.attn_top_k = attn_top_k
         self.register_buffer("attn_history", torch.zeros(*self.pos.shape, history_window_size))
         self.register_buffer("attn_counter", torch.zeros(self.pos.shape))
-        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.register_buffer("step", torch.zeros(self.pos.shape[0], dtype=torch.long))
 
     def score(self, input_pos):
         return self.attn_history.sum(-1) / self.attn_counter.clamp(min=1)
@@ -105,7 +106,8 @@ class HeavyHitterCache(KVCache):
             self.attn_history.add_(attn.unsqueeze(-1))
             self.attn_counter += filled
         else:
-            self.attn_history.index_copy_(3, (self.step % self.history_window_size).view(1), attn.unsqueeze(-1))
+            ring_slot = (self.step % self.history_window_size).view(-1, 1, 1, 1).expand(*attn.shape, 1)
+            self.attn_history.scatter_(3, ring_slot, attn.unsqueeze(-1))
             self.attn_counter.copy_(torch.clamp(self.attn_counter + filled, max=self.history_window_size))
         self.step.add_(1)
 

@@ -42,6 +42,7 @@ class HybridCache(KVCache):
     """
 
     name = "hybrid"
+    row_state = {**KVCache.row_state, "policy": 0}
     head_specific = True
     needs_attention = True
     spans_sequence = True
@@ -94,7 +95,7 @@ class HybridCache(KVCache):
         keys, values, _ = super().update_kv(input_pos, k, v, is_prefill, query)
         if is_prefill:
             self.profile(input_pos, observation_attention(query, k, self.PROFILE_QUERIES))
-        self.kept &= self.policy_mask(input_pos[-1:])
+        self.kept &= self.policy_mask(input_pos[..., -1:])
         return keys, values, self.held()
 
     def attend_chunk(self, input_pos, query, k, v, token_ids=None):
@@ -113,12 +114,14 @@ class HybridCache(KVCache):
         rows = self.flat_rows(slots)
         self.write_rows(self.kept, rows, True)
         self.write_rows(self.attn_sum, rows, 0.0)
-        ids = self.new_token_ids.view(1, 1, -1).expand_as(slots)
+        ids = self.new_token_ids.view(slots.shape[0], 1, -1).expand_as(slots)
         self.write_rows(self.is_special, rows, torch.isin(ids, self.special_ids))
         self.write_rows(self.is_punc, rows, torch.isin(ids, self.punctuation_ids))
 
     def policy_mask(self, input_pos: Tensor, policy_parts: Tensor | None = None) -> Tensor:
-        """Which slots each head's policy keeps at position input_pos, [B, H, L] (or [P, B, H, L])."""
+        """Which slots each head's policy keeps at position input_pos ([1] or one per sequence [B, 1]),
+        [B, H, L] (or [P, B, H, L])."""
+        input_pos = input_pos.view(-1, 1, 1)
         parts = self.policy_parts[self.policy] if policy_parts is None else policy_parts
         special, punc, heavy, window, full = (parts[..., i, None] for i in range(len(HYBRID_POLICY_PARTS)))
         length = (input_pos + 1).float()

@@ -73,7 +73,11 @@ def test_cache_holds_its_share_through_decode_and_reports_allocated_bytes():
         assert (cache.pos[0] >= 0).sum(-1).tolist() == counts, "decode evicts within each head's share"
         assert all({0, step, step - 1, step - 2} <= {p for p in cache.pos[0, h].tolist() if p >= 0} for h in range(3))
     stats = cache.compute_statistics(prompt + 12)
-    allocated = sum(b.numel() * b.element_size() for name, b in cache.named_buffers() if name != "row_offsets")
+    allocated = sum(
+        b.numel() * b.element_size()
+        for name, b in cache.named_buffers()
+        if name not in ("row_offsets", "recent_window")
+    )
     assert stats["cache_memory_bytes"] == state_bytes(cache) == allocated
     assert stats["kept_memory_bytes"] == round(allocated * sum(counts) / 3 / capacity)
     assert stats["compression_ratio"] == pytest.approx(1 - budget / (prompt + 12))

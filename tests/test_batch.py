@@ -1,0 +1,104 @@
+"""Batches: every prompt of a batch of different lengths gives the tokens and cache statistics it
+gives alone, for every registered strategy (and its debug_ twin) on the tiny model; a sequence that
+ends early stops without holding the others back."""
+
+import pytest
+import torch
+from helpers import tiny_prompt, tiny_transformer
+
+import generation
+import strategies
+from cache_args import check_compatibility, default_cache_kwargs
+
+LENGTHS = (37, 12, 50, 5, 29, 44, 20, 33)
+NEW_TOKENS = 12
+SAME_STATISTICS = ("prompt_tokens", "new_tokens", "compression_ratio", "cache_memory_bytes", "kept_memory_bytes")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_transformer(seed=0)
+
+
+def compressing_kwargs(name: str, **overrides) -> dict:
+    """A quarter of each sequence (at least 8 slots) with the strategy's natural compressor."""
+    kwargs = default_cache_kwargs(
+        cache_strategy=[name],
+        prompt_compression_strategy=[strategies.natural_compressor(name)],
+        max_cache_length=[1.0 if strategies.strategy_class(name).spans_sequence else 0.25],
+        **overrides,
+    )
+    check_compatibility(kwargs, 2)
+    return kwargs
+
+
+def alone_and_batched(model, kwargs: dict, prompts: list, terminators=(), context_lengths=None, steps=None):
+    seeds = list(range(len(prompts)))
+    context_lengths = context_lengths or [None] * len(prompts)
+    alone = []
+    for prompt, seed, context_length in zip(prompts, seeds, context_lengths):
+        torch.manual_seed(seed)
+        alone.append(
+            generation.generate(
+                model, prompt, NEW_TOKENS, kwargs, terminators, steps=steps, context_length=context_length
+            )
+        )
+    batched = generation.generate_batch(
+        model, prompts, NEW_TOKENS, kwargs, terminators, steps=steps, context_lengths=context_lengths, seeds=seeds
+    )
+    return alone, batched
+
+
+def assert_same(alone, batched) -> None:
+    for (tokens, stats), (batch_tokens, batch_stats) in zip(alone, batched, strict=True):
+        assert batch_tokens.tolist() == tokens.tolist()
+        for key in SAME_STATISTICS:
+            assert batch_stats.get(key) == stats.get(key), key
+
+
+@pytest.mark.parametrize("name", strategies.strategy_names(debug=True))
+def test_each_prompt_of_a_batch_decodes_as_it_does_alone(name, tiny):
+    prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
+    alone, batched = alone_and_batched(tiny, compressing_kwargs(name), prompts)
+    assert_same(alone, batched)
+    if not strategies.strategy_class(name).spans_sequence:
+        assert max(s["compression_ratio"] for _, s in alone) > 0.5  # the rows did compress
+
+
+def test_a_sequence_that_ends_stops_alone_while_the_others_run(tiny):
+    kwargs = compressing_kwargs("l2")
+    prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
+    first_run = generation.generate(tiny, prompts[0], NEW_TOKENS, kwargs)[0].tolist()
+    terminator = first_run[3]
+    alone, batched = alone_and_batched(tiny, kwargs, prompts, terminators=[terminator])
+    assert_same(alone, batched)
+    assert len(batched[0][0]) <= 4 < max(len(t) for t, _ in batched)
+
+
+@pytest.mark.parametrize("name", ["l2", "heavy_hitter", "kvzip"])
+def test_context_only_and_chunked_prefill_batch_as_alone(name, tiny):
+    """Each row compresses its context before its question, in chunks, on its own."""
+    kwargs = compressing_kwargs(name, context_only=True, prefill_chunk_size=16)
+    prompts = [tiny_prompt(n + 6, seed=i) for i, n in enumerate(LENGTHS)]
+    alone, batched = alone_and_batched(tiny, kwargs, prompts, context_lengths=list(LENGTHS))
+    assert_same(alone, batched)
+
+
+def test_adaptive_head_budgets_batch_as_alone(tiny):
+    kwargs = compressing_kwargs("l2", head_budgets="adaptive")
+    prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
+    assert_same(*alone_and_batched(tiny, kwargs, prompts))
+
+
+def test_heavy_hitter_history_ring_batches_as_alone(tiny):
+    kwargs = compressing_kwargs("heavy_hitter", history_window_size=3)
+    prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
+    assert_same(*alone_and_batched(tiny, kwargs, prompts))
+
+
+@pytest.mark.slow
+def test_compiled_batch_decodes_as_alone(tiny):
+    """Compiled decode steps (prefill stays eager: it runs alone either way)."""
+    steps = {**generation.STEPS, "decode": generation.compile_steps(generation.STEPS, torch.device("cpu"))["decode"]}
+    prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS[:4])]
+    assert_same(*alone_and_batched(tiny, compressing_kwargs("heavy_hitter"), prompts, steps=steps))
