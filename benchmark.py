@@ -72,6 +72,7 @@ from generation import (
     check_output_path,
     checkpoint_config,
     compile_steps,
+    join_row,
     load_model,
     prefill_through,
     resolve_device,
@@ -122,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="none (unquantized), 2, 4, 8 (default none)")  # fmt: skip
     grid.add_argument("--prefill_chunk_sizes", nargs="+", type=parse_chunk, default=None,
                       help="prefill N prompt tokens at a time through the cache; none: one pass (default none)")  # fmt: skip
+    grid.add_argument("--batch_sizes", nargs="+", type=int, default=None,
+                      help="sequences decoded together, each prefilled alone (default 1)")  # fmt: skip
     grid.add_argument("--questions", nargs="+", type=int, default=None,
                       help="N > 0: instead of prefill and decode, N questions over one context compressed once "
                       "(context-only) against N runs that each prefill it (default 0)")  # fmt: skip
@@ -176,6 +179,8 @@ def resolve_options(args) -> None:
         raise ValueError("--decode_steps and --rounds must be >= 1 and --warmup >= 0")
     if any(n < 0 for n in args.questions or []):
         raise ValueError("--questions must be >= 0")
+    if any(n < 1 for n in args.batch_sizes or []):
+        raise ValueError("--batch_sizes must be >= 1")
 
 
 def row_cache_kwargs(cfg: Config) -> dict:
@@ -302,7 +307,7 @@ def time_decode(take_step, n_warm: int, n_timed: int, device) -> tuple[list[int]
             cpu_times.append(time.process_time() - cpu_start)
         elif i == 0:
             first_s = elapsed
-        tokens.append(int(token))
+        tokens += token.view(-1).tolist()
     median = statistics.median(times)
     columns = dict(decode_steps=len(times), decode_ms=median * 1000, decode_tok_s=1.0 / median)
     return tokens, {**columns, "decode_cpu_ms": statistics.median(cpu_times) * 1000}, first_s
@@ -357,7 +362,9 @@ def profile_path(base: Path, tag: str, single: bool) -> Path:
 def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to: Path | None, probe=None) -> dict:
     """One row of ours: the timed prefill and decode, then, on the same caches and continuing the
     same tokens, the steps of its extra measurements (compiled against eager, beside the bandwidth
-    probe, under the profiler)."""
+    probe, under the profiler). A batch row prefills `prompt` and cfg.batch - 1 other prompts of its
+    length, each alone, then decodes them together: tokens/s count every sequence, cache memory and
+    compression ratio are the first sequence's."""
     compiled = cfg.mode == "compiled"
     steps = row_steps(compiled, device)
     n_warm = max(args.warmup, 1) if compiled else args.warmup  # a compiled row's first step compiles
@@ -365,28 +372,34 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
     ctx = prompt.numel()
     cache_kwargs = row_cache_kwargs(cfg)
     check_compatibility(cache_kwargs, model.config.n_layer)
-    caches = setup_caches(model, cache_kwargs, ctx, sum(phases.values()) + 1)
-    positions = phase_positions(phases, ctx, device)
+    prompts = [prompt] + [random_prompt(model.config.vocab_size, ctx, args.seed + b) for b in range(1, cfg.batch)]
+    new_tokens = sum(phases.values()) + 1
+    rows = [setup_caches(model, cache_kwargs, ctx, new_tokens) for _ in prompts]
+    caches = setup_caches(model, cache_kwargs, ctx, new_tokens, batch_size=cfg.batch) if cfg.batch > 1 else rows[0]
+    positions = phase_positions(phases, ctx, cfg.batch, device)
     row = {"compressor": cfg.compressor, "cache_slots": min(c.budget for c in caches)}
-    prefill = prefill_call(model, steps, prompt.to(device), caches, cache_kwargs.get("prefill_chunk_size"))
-    compile_s = untimed_prefill(prefill, caches, device)
+    prefill = prefill_call(model, steps, [p.to(device) for p in prompts], rows, caches, ctx + new_tokens, cfg.chunk)
+    compile_s = untimed_prefill(prefill, [c for layers in rows for c in layers], device)
 
     cache_bytes = sum(state_bytes(c) for c in caches)
     meter = MemoryMeter(device)
-    token, prefill_columns = time_prefill(prefill, ctx, meter, device)
+    token, prefill_columns = time_prefill(prefill, ctx * cfg.batch, meter, device)
     row.update(prefill_columns, prefill_peak_mib=prefill_columns["prefill_peak_mib"] + cache_bytes / MIB)
     stream = GreedyStream(model, token)
     tokens, decode_columns, first_step_s = time_decode(
         stream.stepper(steps["decode"], positions["timed"]), n_warm, args.decode_steps, device
     )
-    row.update(decode_columns, peak_mem_mib=meter.peak(), tokens_sha=tokens_sha([int(token), *tokens]))
+    row.update(decode_columns, decode_tok_s=cfg.batch * decode_columns["decode_tok_s"])
+    row.update(peak_mem_mib=meter.peak(), tokens_sha=tokens_sha([*token.view(-1).tolist(), *tokens]))
     row["compile_s"] = compile_s + first_step_s if compiled else None
-    row.update(cache_columns(model, caches, ctx + len(tokens)))
+    row.update(cache_columns(model, rows[0], ctx + args.decode_steps + n_warm), kv_read_mib=kv_bytes_read(caches) / MIB)
 
     if compiled:  # eager rows leave their paired positions unused
         row["paired_speedup"] = speedup_over_eager(stream, steps["decode"], positions["paired"], device)
     if probe:
-        row.update(bound_beside_decode(stream, steps["decode"], positions["beside_probe"], probe, row, device))
+        row.update(
+            bound_beside_decode(stream, steps["decode"], positions["beside_probe"], probe, row, cfg.batch, device)
+        )
     if profile_to:
         take_step = stream.stepper(steps["decode"], positions["profiled"])
         with torch_profile(profile_to, device, "decode_steps", args.profile_rows):
@@ -463,18 +476,34 @@ def decode_phases(args, n_warm: int, probe: bool, profiled: bool) -> dict[str, i
     )
 
 
-def phase_positions(phases: dict[str, int], ctx: int, device) -> dict[str, list[torch.Tensor]]:
-    """The input positions of each phase's decode steps, following one another after the prompt."""
+def phase_positions(phases: dict[str, int], ctx: int, batch: int, device) -> dict[str, list[torch.Tensor]]:
+    """The input positions of each phase's decode steps, following one another after the prompt
+    ([1], or [batch, 1]: one per sequence)."""
     positions, start = {}, ctx
+    shape = (batch, 1) if batch > 1 else (1,)
     for phase, n in phases.items():
-        positions[phase] = [torch.tensor([p], device=device) for p in range(start, start + n)]
+        positions[phase] = [torch.full(shape, p, device=device) for p in range(start, start + n)]
         start += n
     return positions
 
 
-def prefill_call(model, steps: dict, prompt: torch.Tensor, caches: list, chunk_size: int | None):
-    """A row's prefill as a call returning the first greedy token (generation.prefill_through)."""
-    return lambda: sample(prefill_through(model, steps, prompt, caches, chunk_size))
+def prefill_call(model, steps: dict, prompts: list, rows: list, caches: list, max_seq_length: int, chunk_size):
+    """A row's prefill as a call returning each sequence's first greedy token
+    (generation.prefill_through). A batch prefills each prompt alone into its own caches (`rows`),
+    which then join the batch's, as generation.generate_batch does."""
+    if len(rows) == 1:
+        return lambda: sample(prefill_through(model, steps, prompts[0], caches, chunk_size))
+
+    def prefill_alone_then_join() -> torch.Tensor:
+        tokens = []
+        for b, (prompt, own) in enumerate(zip(prompts, rows)):
+            model.setup_caches(own, max_seq_length)
+            tokens.append(sample(prefill_through(model, steps, prompt, own, chunk_size)))
+            join_row(own, caches, b)
+        model.setup_caches(caches, max_seq_length)
+        return torch.cat(tokens)
+
+    return prefill_alone_then_join
 
 
 def untimed_prefill(prefill, caches: list, device) -> float:
@@ -501,7 +530,7 @@ class GreedyStream:
         """A call that takes step i on positions[i] and returns the new token."""
 
         def take(i: int) -> torch.Tensor:
-            self.token = sample(step(self.model, self.token.view(1, 1), positions[i]))
+            self.token = sample(step(self.model, self.token.view(-1, 1), positions[i]))
             return self.token
 
         return take
@@ -528,14 +557,15 @@ def speedup_over_eager(stream: GreedyStream, compiled_step, positions: list, dev
     return eager_s / compiled_s
 
 
-def bound_beside_decode(stream: GreedyStream, step, positions: list, probe, row: dict, device) -> dict:
+def bound_beside_decode(stream: GreedyStream, step, positions: list, probe, row: dict, batch: int, device) -> dict:
     """The bandwidth probe alternated with decode steps, so that the bound and the speed it is
-    compared with are measured in the same seconds: bound = bandwidth / bytes a step must read."""
+    compared with are measured in the same seconds: bound = bandwidth / bytes a step must read
+    (steps/s; tokens/s count each sequence of a batch)."""
     read, probe_bytes = probe()
     step_s, probe_s = alternated_medians(stream.stepper(step, positions), lambda i: read(), len(positions), device)
     bandwidth = probe_bytes / probe_s
     bound = bandwidth / ((row["weights_mib"] + row["kv_read_mib"]) * MIB)
-    return dict(bandwidth_gbs=bandwidth / 1e9, bound_tok_s=bound, frac_of_bound=1.0 / step_s / bound)
+    return dict(bandwidth_gbs=bandwidth / 1e9, bound_tok_s=batch * bound, frac_of_bound=1.0 / step_s / bound)
 
 
 @torch.no_grad()

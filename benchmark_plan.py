@@ -25,6 +25,7 @@ GRID_FLAGS = (
     "cache_bits",
     "prefill_chunk_sizes",
     "questions",
+    "batch_sizes",
 )
 GRID_DEFAULTS = dict(
     strategies=[strategies.DEFAULT_STRATEGY],
@@ -35,10 +36,11 @@ GRID_DEFAULTS = dict(
     cache_bits=[None],
     prefill_chunk_sizes=[None],
     questions=[0],
+    batch_sizes=[1],
 )
 # Flag defaults outside both presets.
 OPTION_DEFAULTS = dict(decode_steps=32, warmup=3, compare="none", rounds=1, bound=False)
-CONFIGURATION = ("strategy", "budget", "context", "dtype", "cache_bits", "chunk", "questions")  # less its mode
+CONFIGURATION = ("strategy", "budget", "context", "dtype", "cache_bits", "chunk", "questions", "batch")  # less its mode
 TARGET_KEYS = {
     "id", "name", "after_failed", "what", "rows", "against", "same", "ratio", "value", "equal",
     "at_least", "at_most", "percent", "judge", "superseded_by",
@@ -57,6 +59,7 @@ class Config:
     cache_bits: int | None
     chunk: int | None = None  # prefill chunk size; None: one pass
     questions: int = 0  # > 0: questions over one compressed context, asked once each way
+    batch: int = 1  # sequences decoded together
 
     @property
     def compressor(self) -> str:
@@ -66,7 +69,10 @@ class Config:
     def tag(self) -> str:
         bits = f"{self.cache_bits}bit" if self.cache_bits else "nobits"
         tag = f"{self.impl}-{self.strategy}-{self.budget:g}-{self.context}-{self.dtype}-{self.mode}-{bits}"
-        return tag + (f"-chunk{self.chunk}" if self.chunk else "") + (f"-{self.questions}q" if self.questions else "")
+        tag += f"-chunk{self.chunk}" if self.chunk else ""
+        return (
+            tag + (f"-{self.questions}q" if self.questions else "") + (f"-batch{self.batch}" if self.batch > 1 else "")
+        )
 
 
 # ------------------------------------------------------------------------------------ the YAML file
@@ -153,12 +159,12 @@ def grid_configs(grid: dict) -> list[Config]:
     baselines = strategies.baseline_strategies()
     configs = []
     axes = [grid[k] for k in GRID_FLAGS]
-    for strategy, budget, ctx, dtype, mode, bits, chunk, questions in itertools.product(*axes):
+    for strategy, budget, ctx, dtype, mode, bits, chunk, questions, batch in itertools.product(*axes):
         if strategy in baselines:
             budget = 1.0
         elif budget == 1.0:
             continue
-        configs.append(Config("ours", strategy, budget, ctx, dtype, mode, bits, chunk, questions))
+        configs.append(Config("ours", strategy, budget, ctx, dtype, mode, bits, chunk, questions, batch))
     return configs
 
 

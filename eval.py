@@ -19,7 +19,8 @@ Chat models get each prompt in their chat template, the prompt's closing answer 
 The special magic numbers ... are") opening the assistant's turn (`--no_chat_template`: raw text).
 A task whose options differ from its defaults is named `<task>__<key>=<value>...` there. A killed
 run rerun with the same arguments skips the samples already in the CSV; `--overwrite` starts the
-tasks afresh.
+tasks afresh. `--batch_size B` decodes a generation task's samples B at a time (each gives the row
+it gives alone); a batch's rows are appended as it finishes.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from generation import (
     checkpoint_config,
     compile_steps,
     generate,
+    generate_batch,
     load_model,
     peak_memory_bytes,
     resolve_device,
@@ -121,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="discard earlier predictions of these tasks (default: off)"
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile prefill and decode (default: off)")
+    parser.add_argument("--batch_size", type=int, default=1,
+                        help="samples of a generation task decoded together (default: %(default)s)")  # fmt: skip
     add_cache_arguments(parser)
     return parser
 
@@ -423,8 +427,7 @@ def run_sample(model, tokenizer, task, sample, chat: bool, cache_kwargs: dict, s
             steps=steps,
             context_length=context_length,
         )
-        terminators = set(tokenizer.terminator_ids)
-        prediction = tokenizer.decode([t for t in tokens.tolist() if t not in terminators])
+        prediction = answer_text(tokenizer, tokens)
     elif task.kind == "multiple_choice":
         lls, all_stats = [], []
         for option in sample.options:
@@ -492,11 +495,28 @@ def run_shared_context(model, tokenizer, task, group, todo, chat: bool, cache_kw
         model, torch.tensor(context, dtype=torch.long), questions, task.max_new_tokens, cache_kwargs,
         tokenizer.terminator_ids, steps, room, seeds=[seed_for(seed, s.id) for s in todo],
     )  # fmt: skip
-    terminators = set(tokenizer.terminator_ids)
     for sample, (tokens, stats) in zip(todo, answers):
-        prediction = tokenizer.decode([t for t in tokens.tolist() if t not in terminators])
         stats["seconds"] = stats["prefill_time"] + stats["decode_time"]
-        yield prediction_row(sample, encoded[sample.id][0], prediction, "", stats)
+        yield prediction_row(sample, encoded[sample.id][0], answer_text(tokenizer, tokens), "", stats)
+
+
+def run_batch(model, tokenizer, task, batch, chat: bool, cache_kwargs: dict, steps: dict, seed: int):
+    """Rows for generation samples decoded together, each prefilled alone and seeded as run_sample
+    seeds it, so each row is the one it gives alone; yields them in order once the batch is done."""
+    encoded = [encode_sample(tokenizer, task, s, chat) for s in batch]
+    context_only = cache_kwargs.get("context_only")
+    results = generate_batch(
+        model, [torch.tensor(ids, dtype=torch.long) for _, ids, _ in encoded], task.max_new_tokens, cache_kwargs,
+        tokenizer.terminator_ids, steps=steps, seeds=[seed_for(seed, s.id) for s in batch],
+        context_lengths=[length if context_only else None for _, _, length in encoded],
+    )  # fmt: skip
+    for sample, (text, _, _), (tokens, stats) in zip(batch, encoded, results):
+        stats["seconds"] = stats["prefill_time"] + stats["decode_time"]
+        yield prediction_row(sample, text, answer_text(tokenizer, tokens), "", stats)
+
+
+def answer_text(tokenizer, tokens) -> str:
+    return tokenizer.decode([t for t in tokens.tolist() if t not in tokenizer.terminator_ids])
 
 
 def mean(values) -> float | None:
@@ -536,6 +556,7 @@ def prepare(args):
     """Every check that needs no model weights: returns what the run needs, or raises."""
     if args.num_samples is not None and args.num_samples < 1:
         raise EvalError(f"--num_samples must be at least 1, got {args.num_samples} (omit it for all samples)")
+    check_value("--batch_size", args.batch_size, minimum=1)
     for flag, value in (("--max_new_tokens", args.max_new_tokens), ("--seq_length", args.seq_length)):
         if value is not None:
             check_value(flag, value, minimum=1)
@@ -627,7 +648,7 @@ def main(argv=None) -> dict:
         steps = compile_steps(STEPS, device) if args.compile else STEPS
         results = {}
         for label, task, samples in prepared:
-            run = (model, tokenizer, chat, cache_kwargs, steps, args.seed)
+            run = (model, tokenizer, chat, cache_kwargs, steps, args.seed, args.batch_size)
             result = evaluate_task(folder, label, task, samples, existing[label], run)
             result["statistics"]["peak_memory_bytes"] = peak_memory_bytes(device)
             write_json_atomic(folder / f"{label}_metrics.json", result)
@@ -648,16 +669,18 @@ def evaluate_task(folder: Path, label: str, task, samples, rows: dict, run: tupl
     """Runs the samples not yet in `rows`, appending each finished one to the CSV; returns metrics."""
     from tqdm import tqdm
 
-    model, tokenizer, chat, cache_kwargs, steps, seed = run
+    model, tokenizer, chat, cache_kwargs, steps, seed, batch_size = run
     todo = {s.id for s in samples if s.id not in rows}
     writer = PredictionWriter(folder / f"{label}_predictions.csv")
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=label, unit="sample", dynamic_ncols=True)
     shared = cache_kwargs.get("context_only") and task.kind == "generate"
+    batch_size = batch_size if task.kind == "generate" else 1
     try:
-        for group in group_by_context(samples):
-            waiting = [s for s in group if s.id in todo]
-            if shared and len(group) > 1 and waiting:
+        for group, waiting in work_units(samples, todo, shared, batch_size):
+            if group:
                 finished = run_shared_context(model, tokenizer, task, group, waiting, chat, cache_kwargs, steps, seed)
+            elif len(waiting) > 1:
+                finished = run_batch(model, tokenizer, task, waiting, chat, cache_kwargs, steps, seed)
             else:
                 finished = (run_sample(model, tokenizer, task, s, chat, cache_kwargs, steps, seed) for s in waiting)
             for sample, row in zip(waiting, finished):
@@ -669,6 +692,23 @@ def evaluate_task(folder: Path, label: str, task, samples, rows: dict, run: tupl
         bar.close()
         writer.close()
     return task_metrics(task, samples, rows)
+
+
+def work_units(samples, todo: set, shared: bool, batch_size: int) -> list[tuple[list | None, list]]:
+    """The waiting samples, in sample order, as units of work: (group, its waiting samples) for a
+    group answered from one shared context, else (None, up to batch_size samples run together)."""
+    units: list[tuple[list | None, list]] = []
+    for group in group_by_context(samples):
+        waiting = [s for s in group if s.id in todo]
+        if shared and len(group) > 1 and waiting:
+            units.append((group, waiting))
+            continue
+        for sample in waiting:
+            if units and units[-1][0] is None and len(units[-1][1]) < batch_size:
+                units[-1][1].append(sample)
+            else:
+                units.append((None, [sample]))
+    return units
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""Generate text for one prompt with a chosen KV-cache strategy; report speed, memory and cache statistics.
+"""Generate text for a prompt (or a file of prompts, in batches) with a chosen KV-cache strategy;
+report speed, memory and cache statistics.
 
     python generate.py --prompt "What is a cold compress?"
     python generate.py --prompt long_niah.txt --cache_strategy heavy_hitter --max_cache_length 0.25 \
         --prompt_compression_strategy heavy_hitter
+    python generate.py --prompts_file prompts.txt --batch_size 8 --cache_strategy l2 --max_cache_length 0.25
 """
 
 import argparse
@@ -34,6 +36,7 @@ from generation import (
     checkpoint_config,
     compile_steps,
     generate,
+    generate_batch,
     load_model,
     peak_memory_bytes,
     resolve_device,
@@ -61,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--load_cache", type=Path, default=None,
                         help="start from a cache written by --save_cache and answer --question; takes no --prompt "
                         "(default: none)")  # fmt: skip
+    parser.add_argument("--prompts_file", type=Path, default=None,
+                        help="prompts from a file, one per line (or a .jsonl file with a \"prompt\" field per line); "
+                        "each gets its output and statistics (default: none)")  # fmt: skip
+    parser.add_argument("--batch_size", type=int, default=1,
+                        help="prompts of --prompts_file decoded together (default: %(default)s)")  # fmt: skip
     parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT,
                         help="converted checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")  # fmt: skip
     parser.add_argument("--max_new_tokens", type=int, default=256,
@@ -92,6 +100,43 @@ def read_prompt(prompt: str) -> str:
     if not prompt.strip():
         raise ValueError("the prompt is empty; pass --prompt TEXT or --prompt NAME.txt")
     return prompt
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    """One prompt per non-empty line, or, in a .jsonl file, one JSON object with a "prompt" per line."""
+    if not path.is_file():
+        raise ValueError(f"prompts file {path} not found; pass a file with one prompt per line")
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"prompts file {path} holds no prompt; write one prompt per line")
+    if path.suffix != ".jsonl":
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+            raise ValueError(f'{path} line {n} is not a JSON object with a "prompt" text; write {{"prompt": "..."}}')
+        prompts.append(record["prompt"])
+    return prompts
+
+
+def check_batch_flags(args) -> None:
+    """A prompts file brings its own prompts and runs plain generation, one process."""
+    check_value("--batch_size", args.batch_size, minimum=1)
+    if args.prompts_file is None:
+        if args.batch_size > 1:
+            raise ValueError("--batch_size needs --prompts_file (the prompts to batch)")
+        return
+    if args.prompt is not None:
+        raise ValueError("--prompts_file and --prompt exclude each other; put the prompt in the file")
+    for flag in ("question", "save_cache", "load_cache", "context_only"):
+        if getattr(args, flag):
+            raise ValueError(f"--prompts_file runs plain prompts; drop --{flag}")
+    if tp.world_size() > 1:
+        raise ValueError("--prompts_file runs on one process; drop torchrun")
 
 
 def check_question_flags(args) -> None:
@@ -217,6 +262,47 @@ def append_csv(path: Path, stats: dict, args: argparse.Namespace) -> None:
         writer.writerow(row)
 
 
+def check_prompt_fits(args, cache_kwargs: dict, config, prompt_length: int, question_length: int = 0) -> None:
+    if prompt_length + args.max_new_tokens > config.block_size:
+        raise ValueError(
+            f"prompt of {prompt_length} tokens + {args.max_new_tokens} new tokens exceeds the model's "
+            f"context of {config.block_size}; shorten the prompt or lower --max_new_tokens"
+        )
+    check_cache_lengths(cache_kwargs, config.n_layer, prompt_length, args.max_new_tokens, question_length)
+
+
+def generate_prompts_file(args, model, tokenizer, cache_kwargs: dict, steps: dict, prompts: list) -> None:
+    """Generates for the prompts in batches of --batch_size; prints each output with its statistics
+    (a csv row each), then the throughput over all batches. Prompt i's random eviction is seeded
+    with --seed + i, so it evicts the same whatever the batch size."""
+    device = model.output.weight.device
+    sampling = {"terminator_ids": tokenizer.terminator_ids, "temperature": args.temperature, "top_k": args.top_k}
+    prefill_time = decode_time = 0.0
+    decoded = 0  # tokens from decode steps: each prompt's first comes from its prefill
+    start = time.perf_counter()
+    for first in range(0, len(prompts), args.batch_size):
+        batch = prompts[first : first + args.batch_size]
+        seeds = [args.seed + first + b for b in range(len(batch))]
+        results = generate_batch(model, batch, args.max_new_tokens, cache_kwargs, **sampling, steps=steps, seeds=seeds)
+        decode_time += max(stats["decode_time"] for _, stats in results)  # the batch decodes together
+        for b, (tokens, stats) in enumerate(results):
+            prefill_time += stats["prefill_time"]
+            decoded += stats["new_tokens"] - 1
+            stats["total_time"] = stats["prefill_time"] + stats["decode_time"]
+            stats["peak_memory_bytes"] = peak_memory_bytes(device)
+            text = tokenizer.decode([t for t in tokens.tolist() if t not in tokenizer.terminator_ids])
+            print(f"\n--- prompt {first + b + 1} of {len(prompts)} ---\n{text}")
+            print_statistics(stats)
+            if args.csv:
+                append_csv(args.csv, {"prompt_index": first + b + 1, **stats}, args)
+    prefilled = sum(ids.numel() for ids in prompts)
+    decode_rate = decoded / decode_time if decoded else float("nan")
+    print(
+        f"\n{len(prompts)} prompts in batches of {args.batch_size}: prefill {prefilled / prefill_time:.1f} tokens/s, "
+        f"decode {decode_rate:.1f} tokens/s over the batch, total time {time.perf_counter() - start:.2f} s"
+    )
+
+
 def main(argv=None) -> None:
     parser = build_parser()
     args = parse_args_with_cache_config(parser, argv)
@@ -231,8 +317,12 @@ def main(argv=None) -> None:
         if args.top_k is not None:
             check_value("--top_k", args.top_k, minimum=1)
         check_question_flags(args)
+        check_batch_flags(args)
         args.context_only = args.context_only or bool(args.save_cache or args.load_cache)
-        prompt = None if args.load_cache else read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
+        if args.prompts_file:
+            texts = read_prompts_file(args.prompts_file)
+        elif not args.load_cache:
+            prompt = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
         check_output_path(args.profile, "--profile")
         check_output_path(args.csv, "--csv")
         check_output_path(args.save_cache, "--save_cache")
@@ -251,15 +341,17 @@ def main(argv=None) -> None:
             check_header(args.load_cache, header, setup)
             prompt_ids = question_after_saved_context(tokenizer, args.question, raw)
             check_saved_context(args, header, prompt_ids.numel(), config.block_size)
+        elif args.prompts_file:
+            batch_ids = [encode_prompt(tokenizer, text, None, raw)[0] for text in texts]
+            for n, ids in enumerate(batch_ids, 1):
+                try:
+                    check_prompt_fits(args, cache_kwargs, config, ids.numel())
+                except ValueError as e:
+                    raise ValueError(f"prompt {n} of {args.prompts_file}: {e}") from None
         else:
             prompt_ids, context_length = encode_prompt(tokenizer, prompt, args.question, raw)
-            if prompt_ids.numel() + args.max_new_tokens > config.block_size:
-                raise ValueError(
-                    f"prompt of {prompt_ids.numel()} tokens + {args.max_new_tokens} new tokens exceeds the model's "
-                    f"context of {config.block_size}; shorten the prompt or lower --max_new_tokens"
-                )
             question_length = prompt_ids.numel() - context_length if args.context_only else 0
-            check_cache_lengths(cache_kwargs, config.n_layer, prompt_ids.numel(), args.max_new_tokens, question_length)
+            check_prompt_fits(args, cache_kwargs, config, prompt_ids.numel(), question_length)
         shard = tp.apply_tp if tp.maybe_init_dist(device) is not None else None
         model = load_model(args.checkpoint_path, device, dtype, shard=shard)
     except (ValueError, CheckpointError, FileNotFoundError) as e:
@@ -267,6 +359,10 @@ def main(argv=None) -> None:
 
     torch.manual_seed(args.seed)
     steps = compile_steps(STEPS, device) if args.compile else STEPS
+    if args.prompts_file:
+        with torch_profile(args.profile, device, "generate"):
+            generate_prompts_file(args, model, tokenizer, cache_kwargs, steps, batch_ids)
+        return
     streamed = []
 
     def stream(token: int) -> None:

@@ -410,6 +410,12 @@ def generate(
     )[0]  # fmt: skip
 
 
+def join_row(caches: list, batch_caches: list, row: int) -> None:
+    """Copies one sequence's caches (one per layer) into row `row` of the batch's, freeing its own."""
+    for cache, batch_cache in zip(caches, batch_caches):
+        cache.join_batch(batch_cache, row)
+
+
 @torch.no_grad()
 def generate_batch(
     model: Transformer,
@@ -449,8 +455,7 @@ def generate_batch(
             model, prompt, max_new_tokens, cache_kwargs, steps, context_length, on_context
         )
         if batch_caches is not None:
-            for cache, batch_cache in zip(caches, batch_caches):
-                cache.join_batch(batch_cache, b)
+            join_row(caches, batch_caches, b)
         logits.append(last)
         rows.append((caches, prefill_time))
     if batch_caches is not None:

@@ -31,8 +31,8 @@ def attention_loss_curves(model, prompt_ids, names, max_cache_length, max_new_to
         torch.manual_seed(0)
         generate(model, prompt_ids, max_new_tokens, kwargs)
         caches = [layer.attention.kv_cache for layer in model.layers]
-        steps = int(caches[0].steps)
-        curves[strategy] = torch.stack([c.attention_loss[:steps] for c in caches]).mean(0).tolist()
+        steps = int(caches[0].steps[0])  # one sequence: row 0
+        curves[strategy] = torch.stack([c.attention_loss[0, :steps] for c in caches]).mean(0).tolist()
     return curves
 
 

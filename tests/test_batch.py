@@ -2,6 +2,12 @@
 gives alone, for every registered strategy (and its debug_ twin) on the tiny model; a sequence that
 ends early stops without holding the others back."""
 
+import csv
+import json
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import tiny_prompt, tiny_transformer
@@ -9,6 +15,11 @@ from helpers import tiny_prompt, tiny_transformer
 import generation
 import strategies
 from cache_args import check_compatibility, default_cache_kwargs
+from generate import PROMPT_DIR
+from generation import DEFAULT_CHECKPOINT, load_model
+from tokenizer import get_tokenizer
+
+ROOT = PROMPT_DIR.parent
 
 LENGTHS = (37, 12, 50, 5, 29, 44, 20, 33)
 NEW_TOKENS = 12
@@ -102,3 +113,61 @@ def test_compiled_batch_decodes_as_alone(tiny):
     steps = {**generation.STEPS, "decode": generation.compile_steps(generation.STEPS, torch.device("cpu"))["decode"]}
     prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS[:4])]
     assert_same(*alone_and_batched(tiny, compressing_kwargs("heavy_hitter"), prompts, steps=steps))
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model(DEFAULT_CHECKPOINT, "cpu", torch.float32), get_tokenizer(DEFAULT_CHECKPOINT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["full", "l2", "heavy_hitter"])
+def test_embedded_model_batch_decodes_as_alone(name, embedded):
+    """SmolLM2 in float32, greedy, 8 chat prompts of 30 to 430 tokens, 25% budgets."""
+    model, tokenizer = embedded
+    words = (PROMPT_DIR / "long_niah.txt").read_text().split()
+    prompts = [
+        torch.tensor(
+            tokenizer.encode(tokenizer.apply_chat_template(" ".join(words[-n:]) + "\nWhat is the magic number?"))
+        )
+        for n in (300, 15, 120, 40, 220, 80, 5, 160)
+    ]
+    assert len({p.numel() for p in prompts}) == 8
+    kwargs = default_cache_kwargs(
+        cache_strategy=[name], prompt_compression_strategy=[strategies.natural_compressor(name)],
+        max_cache_length=[1.0 if name == "full" else 0.25],
+    )  # fmt: skip
+    alone, batched = alone_and_batched(model, kwargs, prompts, terminators=tokenizer.terminator_ids)
+    assert_same(alone, batched)
+
+
+def run_generate(*argv) -> str:
+    done = subprocess.run([sys.executable, "generate.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_generate_py_runs_a_prompts_file_in_batches(tmp_path):
+    """A JSONL prompts file of 5 through `generate.py --batch_size 4` (a full batch, then one prompt)
+    prints each output as `--batch_size 1` does, the batch's throughput, and a csv row per prompt."""
+    texts = ["What is a cold compress?", "Hi", "Name three colors.", "Why is the sky blue?", "Tell me about the sea."]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
+    flags = ["--prompts_file", str(prompts), "--max_new_tokens", "8", "--dtype", "float32", "--cache_strategy", "l2"]
+    flags += ["--max_cache_length", "0.5", "--prompt_compression_strategy", "l2"]
+    outputs, rows = {}, {}
+    for batch_size in (1, 4):
+        csv_path = tmp_path / f"batch{batch_size}.csv"
+        out = run_generate(*flags, "--batch_size", str(batch_size), "--csv", str(csv_path))
+        outputs[batch_size] = re.findall(r"--- prompt (\d) of 5 ---\n(.*?)\n\nprefill: (\d+) tokens", out, re.S)
+        assert f"5 prompts in batches of {batch_size}: prefill" in out and "tokens/s over the batch" in out
+        with csv_path.open() as f:
+            rows[batch_size] = list(csv.DictReader(f))
+    assert [n for n, _, _ in outputs[4]] == ["1", "2", "3", "4", "5"]
+    assert outputs[4] == outputs[1] and all(text.strip() for _, text, _ in outputs[4])
+    assert [r["prompt_index"] for r in rows[4]] == ["1", "2", "3", "4", "5"]
+    assert [r["batch_size"] for r in rows[4]] == ["4"] * 5
+    for key in ("prompt_tokens", "new_tokens", "compression_ratio", "cache_memory_bytes"):
+        assert [r[key] for r in rows[4]] == [r[key] for r in rows[1]], key
+    assert len({r["prompt_tokens"] for r in rows[4]}) > 1

@@ -141,7 +141,7 @@ def test_an_empty_grid_stops_before_measuring(capsys):
 def row(**kw) -> dict:
     base = {k: None for k in COLUMNS}
     base.update(impl="ours", strategy="full", budget=1.0, context=512, dtype="bfloat16", mode="eager", error="")
-    base.update(questions=0)
+    base.update(questions=0, batch=1)
     base.update(decode_tok_s=10.0, prefill_tok_s=100.0, prefill_peak_mib=100.0, cache_mib=10.0, tokens_sha="a")
     base.update(kw)
     return base

@@ -203,6 +203,35 @@ def test_bad_inputs(argv, expected, capsys, monkeypatch):
     assert_one_line_error(*run_main(argv, capsys, monkeypatch), expected)
 
 
+PROMPTS_FILE_CASES = {  # (file name, its text or None for no file, more flags, expected)
+    "batch_size_zero": ("p.txt", "hello\n", ["--batch_size", "0"], "--batch_size 0 is too small; give at least 1"),
+    "missing": ("p.txt", None, [], "not found; pass a file with one prompt per line"),
+    "empty": ("p.txt", "\n  \n", [], "holds no prompt"),
+    "jsonl_without_prompt": (
+        "p.jsonl",
+        '{"prompt": "hi"}\n{"text": "hi"}\n',
+        [],
+        'line 2 is not a JSON object with a "prompt"',
+    ),
+    "jsonl_not_json": ("p.jsonl", "hello\n", [], 'line 1 is not a JSON object with a "prompt"'),
+    "with_prompt": ("p.txt", "hello\n", ["--prompt", "hi"], "--prompts_file and --prompt exclude each other"),
+    "with_question": ("p.txt", "hello\n", ["--question", "Q?"], "drop --question"),
+    "too_long": ("p.txt", "hello\nhi\n", ["--max_new_tokens", "8190"], "prompt 1 of"),
+}
+
+
+@pytest.mark.parametrize("name,text,flags,expected", PROMPTS_FILE_CASES.values(), ids=PROMPTS_FILE_CASES.keys())
+def test_bad_prompts_files(name, text, flags, expected, tmp_path, capsys, monkeypatch):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    assert_one_line_error(*run_main(["--prompts_file", str(path), *flags], capsys, monkeypatch), expected)
+
+
+def test_batch_size_needs_a_prompts_file(capsys, monkeypatch):
+    assert_one_line_error(*run_main(["--batch_size", "4"], capsys, monkeypatch), "--batch_size needs --prompts_file")
+
+
 def test_command_line_end_to_end(malformed_yaml, tmp_path):
     """Real `python generate.py` processes (run concurrently): exit status, one stderr line, no traceback."""
     cases = [  # one per exit path: parser.exit (presets) and sys.exit (everything else)

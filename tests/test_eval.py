@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import plot_results
 import pytest
@@ -123,6 +124,22 @@ def test_model_input_puts_answer_prefix_in_assistant_turn(smollm2_checkpoint):
     assert eval_cli.model_input(tokenizer, "x\nAnswer:", "generate", False) == "x\nAnswer:"
 
 
+def test_work_units_batch_single_samples_and_keep_shared_contexts_whole():
+    def sample(name, group=None):
+        return SimpleNamespace(id=name, meta={"group": group} if group else {})
+
+    samples = [sample("a"), sample("b"), sample("c", "g"), sample("d", "g"), sample("e"), sample("f"), sample("h")]
+    todo = {"a", "b", "c", "d", "f", "h"}  # e finished before a kill
+    units = eval_cli.work_units(samples, todo, shared=True, batch_size=2)
+    assert [(group and [s.id for s in group], [s.id for s in waiting]) for group, waiting in units] == [
+        (None, ["a", "b"]),
+        (["c", "d"], ["c", "d"]),
+        (None, ["f", "h"]),
+    ]
+    query_aware = eval_cli.work_units(samples, todo, shared=False, batch_size=4)
+    assert [[s.id for s in waiting] for _, waiting in query_aware] == [["a", "b", "c", "d"], ["f", "h"]]
+
+
 # ---- fast: bad input fails in one line before the model loads ---------------------------------
 
 
@@ -151,6 +168,7 @@ def test_bad_input_one_line_errors(tmp_path, smollm2_checkpoint, no_model, capsy
     assert not (tmp_path / "out").exists()  # nothing created for a typo
     assert "no option bogus" in eval_error(["--tasks", "rulerniah:bogus=1", *base], capsys)
     assert "--num_samples" in eval_error(["--tasks", "rulerniah", "--num_samples", "0", *base], capsys)
+    assert "--batch_size 0 is too small" in eval_error(["--tasks", "rulerniah", "--batch_size", "0", *base], capsys)
     assert "--seq_length" in eval_error(["--tasks", "truthfulqa", "--seq_length", "500", *base], capsys)
     message = eval_error(
         ["--tasks", "rulerniah", "--cache_strategy", "full", "--max_cache_length", "0.5", *base], capsys
@@ -310,10 +328,18 @@ def count_complete_rows(path: Path) -> int:
     return sum(len(r) == len(eval_cli.CSV_COLUMNS) for r in body)
 
 
+L2_HALF = dict(cache_strategy=["l2"], max_cache_length=[0.5], prompt_compression_strategy=["l2"])
+
+
 @pytest.mark.slow
-def test_kill_and_resume(tmp_path, smollm2_checkpoint):
-    def command(out_dir):
+def test_kill_and_resume_in_batches(tmp_path, smollm2_checkpoint):
+    """A run in batches of 4, killed after its first rows and rerun, writes each sample once, with the
+    predictions of an uninterrupted run in batches of 1 (float32: greedy ties break alike)."""
+
+    def command(out_dir, batch_size):
         argv = ["--tasks", "rulerniah", "--seq_length", "500", "--num_samples", "6", "--max_new_tokens", "12"]
+        argv += ["--dtype", "float32", "--batch_size", str(batch_size), "--cache_strategy", "l2"]
+        argv += ["--max_cache_length", "0.5", "--prompt_compression_strategy", "l2"]
         return [sys.executable, str(ROOT / "eval.py"), *argv, "--checkpoint_path", str(smollm2_checkpoint)] + [
             "--out_dir",
             str(out_dir),
@@ -321,13 +347,13 @@ def test_kill_and_resume(tmp_path, smollm2_checkpoint):
 
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     name = "rulerniah__max_new_tokens=12__seq_length=500_predictions.csv"
-    reference = subprocess.run(command(tmp_path / "ref"), capture_output=True, text=True, timeout=900, env=env)
+    reference = subprocess.run(command(tmp_path / "ref", 1), capture_output=True, text=True, timeout=900, env=env)
     assert reference.returncode == 0, reference.stderr[-2000:]
-    expected = {r["id"]: r["prediction"] for r in read_rows(folder_of(tmp_path / "ref") / name)}
+    expected = {r["id"]: r["prediction"] for r in read_rows(folder_of(tmp_path / "ref", **L2_HALF) / name)}
     assert len(expected) == 6
 
-    csv_path = folder_of(tmp_path / "run") / name
-    proc = subprocess.Popen(command(tmp_path / "run"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    csv_path = folder_of(tmp_path / "run", **L2_HALF) / name
+    proc = subprocess.Popen(command(tmp_path / "run", 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 600
     while count_complete_rows(csv_path) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -338,7 +364,7 @@ def test_kill_and_resume(tmp_path, smollm2_checkpoint):
     with open(csv_path, "a") as f:  # as if the kill had struck in the middle of writing a row
         f.write('rulerniah-500-s0-5,"<|im_start|>system\nYou are')
 
-    resumed = subprocess.run(command(tmp_path / "run"), capture_output=True, text=True, timeout=900, env=env)
+    resumed = subprocess.run(command(tmp_path / "run", 4), capture_output=True, text=True, timeout=900, env=env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "dropped an incomplete" in resumed.stdout
     rows = read_rows(csv_path)
@@ -346,7 +372,7 @@ def test_kill_and_resume(tmp_path, smollm2_checkpoint):
     assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids)) == 6
     assert {r["id"]: r["prediction"] for r in rows} == expected
     metrics = json.loads((csv_path.parent / "all_metrics.json").read_text())
-    reference_metrics = json.loads((folder_of(tmp_path / "ref") / "all_metrics.json").read_text())
+    reference_metrics = json.loads((folder_of(tmp_path / "ref", **L2_HALF) / "all_metrics.json").read_text())
     label = "rulerniah__max_new_tokens=12__seq_length=500"
     assert metrics[label]["metrics"] == reference_metrics[label]["metrics"]
     assert not list(csv_path.parent.glob(".*.tmp"))
