@@ -155,7 +155,8 @@ def filter_subgrid(subgrid: dict, given: dict) -> dict:
 
 def grid_configs(grid: dict) -> list[Config]:
     """The cartesian product of one grid. A baseline strategy keeps every token: it runs once, at
-    budget 1.0; a compressing strategy at 1.0 would keep everything too, so that row is skipped."""
+    budget 1.0; a compressing strategy at 1.0 would keep everything too, so that row is skipped, as
+    are question rows in batches (they run no batch)."""
     baselines = strategies.baseline_strategies()
     configs = []
     axes = [grid[k] for k in GRID_FLAGS]
@@ -163,6 +164,8 @@ def grid_configs(grid: dict) -> list[Config]:
         if strategy in baselines:
             budget = 1.0
         elif budget == 1.0:
+            continue
+        if questions and batch > 1:  # question rows answer one context's questions in turn
             continue
         configs.append(Config("ours", strategy, budget, ctx, dtype, mode, bits, chunk, questions, batch))
     return configs

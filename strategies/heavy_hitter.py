@@ -45,7 +45,7 @@ class HeavyHitterCache(KVCache):
     """
 
     name = "heavy_hitter"
-    row_state = {**KVCache.row_state, "step": 0}
+    row_state = {**KVCache.row_state, "step": 0, "own_slots": 0}
     head_specific = True
     needs_attention = True
     natural_compressor = "heavy_hitter"
@@ -64,6 +64,8 @@ class HeavyHitterCache(KVCache):
         self.register_buffer("attn_history", torch.zeros(*self.pos.shape, history_window_size))
         self.register_buffer("attn_counter", torch.zeros(self.pos.shape))
         self.register_buffer("step", torch.zeros(self.pos.shape[0], dtype=torch.long))
+        # Each sequence's own cache length: in a batch a row's slots past it are padding.
+        self.register_buffer("own_slots", torch.full((self.pos.shape[0],), self.pos.shape[2]), persistent=False)
 
     def score(self, input_pos):
         return self.attn_history.sum(-1) / self.attn_counter.clamp(min=1)
@@ -101,7 +103,8 @@ class HeavyHitterCache(KVCache):
         if self.attn_thresholding:
             attn = (attn >= 1.0 / filled.sum(-1, keepdim=True)).float()
         elif self.attn_top_k < 1.0:
-            attn = keep_top_fraction(attn, self.attn_top_k, filled)
+            slots = torch.full_like(self.own_slots, attn.shape[-1]) if is_prefill else self.own_slots  # may widen
+            attn = keep_top_fraction(attn, self.attn_top_k, filled, slots)
         if self.history_window_size == 1:
             self.attn_history.add_(attn.unsqueeze(-1))
             self.attn_counter += filled
@@ -117,10 +120,12 @@ class HeavyHitterCache(KVCache):
         self.step.zero_()
 
 
-def keep_top_fraction(attn: Tensor, fraction: float, filled: Tensor) -> Tensor:
-    """Zeroes all but the top `fraction` of each head's attention weights over filled slots."""
-    k = max(1, int(math.ceil(fraction * attn.shape[-1])))
-    threshold = attn.masked_fill(filled == 0, -1.0).topk(k, dim=-1).values[..., -1:]
+def keep_top_fraction(attn: Tensor, fraction: float, filled: Tensor, slots: Tensor) -> Tensor:
+    """Zeroes all but each head's top ceil(`fraction` x its sequence's `slots` [B]) attention weights
+    over filled slots (ties kept). The product is taken in float64, as Python's ceil would take it."""
+    k = torch.ceil(slots.double() * fraction).clamp(min=1).long().view(-1, 1, 1).expand(*attn.shape[:-1], 1)
+    ranked = attn.masked_fill(filled == 0, -1.0).sort(dim=-1, descending=True).values
+    threshold = ranked.gather(-1, k - 1)
     return torch.where(attn >= threshold, attn, torch.zeros_like(attn))
 
 

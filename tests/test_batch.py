@@ -107,6 +107,20 @@ def test_heavy_hitter_history_ring_batches_as_alone(tiny):
     assert_same(*alone_and_batched(tiny, kwargs, prompts))
 
 
+def test_heavy_hitter_top_fraction_counts_a_rows_own_slots(tiny):
+    """A short prompt's row keeps the top half of its own slots' attention, not of the batch's
+    padded row: its recorded scores are those it records alone."""
+    kwargs = compressing_kwargs("heavy_hitter", attn_top_k=0.5)
+    short, long = tiny_prompt(5, seed=0), tiny_prompt(50, seed=1)
+    generation.generate(tiny, short, NEW_TOKENS, kwargs)
+    alone = [layer.attention.kv_cache.attn_history.clone() for layer in tiny.layers]
+    generation.generate_batch(tiny, [short, long], NEW_TOKENS, kwargs)
+    for layer, history in zip(tiny.layers, alone):
+        batched = layer.attention.kv_cache.attn_history
+        assert batched.shape[2] > history.shape[2]
+        torch.testing.assert_close(batched[:1, :, : history.shape[2]], history)  # sums in another order
+
+
 @pytest.mark.slow
 def test_compiled_batch_decodes_as_alone(tiny):
     """Compiled decode steps (prefill stays eager: it runs alone either way)."""

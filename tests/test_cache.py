@@ -161,7 +161,7 @@ def test_heavy_hitter_thresholding_counts_uniform_or_above():
 def test_keep_top_fraction():
     attn = torch.tensor([[[0.1, 0.4, 0.2, 0.3, 0.0, 0.0, 0.0, 0.0]]])
     filled = torch.tensor([[[1.0, 1, 1, 1, 0, 0, 0, 0]]])
-    out = keep_top_fraction(attn, 0.25, filled)  # ceil(0.25 * 8) = 2 weights survive
+    out = keep_top_fraction(attn, 0.25, filled, torch.tensor([8]))  # ceil(0.25 * 8) = 2 weights survive
     torch.testing.assert_close(out, torch.tensor([[[0.0, 0.4, 0.0, 0.3, 0, 0, 0, 0]]]))
 
 
