@@ -129,6 +129,19 @@ def test_compiled_batch_decodes_as_alone(tiny):
     assert_same(*alone_and_batched(tiny, compressing_kwargs("heavy_hitter"), prompts, steps=steps))
 
 
+@pytest.mark.slow
+def test_compiled_bfloat16_batch_decodes_as_eager():
+    """A bfloat16 batch multiplies its own weight copy where half precision is emulated (float32,
+    one_token.pack_batch_weights); compiled steps round as eager ones do."""
+    model = tiny_transformer(seed=0, dtype=torch.bfloat16)
+    steps = {**generation.STEPS, "decode": generation.compile_steps(generation.STEPS, torch.device("cpu"))["decode"]}
+    prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS[:4])]
+    kwargs = compressing_kwargs("l2")
+    eager = generation.generate_batch(model, prompts, NEW_TOKENS, kwargs, seeds=range(4))
+    compiled = generation.generate_batch(model, prompts, NEW_TOKENS, kwargs, steps=steps, seeds=range(4))
+    assert [tokens.tolist() for tokens, _ in compiled] == [tokens.tolist() for tokens, _ in eager]
+
+
 @pytest.fixture(scope="module")
 def embedded():
     return load_model(DEFAULT_CHECKPOINT, "cpu", torch.float32), get_tokenizer(DEFAULT_CHECKPOINT)

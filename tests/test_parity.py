@@ -24,6 +24,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+import generation
 import model as model_module
 import one_token
 from cache_args import default_cache_kwargs
@@ -271,6 +272,63 @@ def test_decode_feed_forward_through_the_stacked_packed_w1_w3_gives_the_separate
     assert torch.equal(feed_forward(x), torch.zeros_like(separate))  # outside decode: the plain weights
     feed_forward.float()  # a cast (or move) drops the stacked copy too
     assert feed_forward.packed_weight is None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_batch_decode_projects_through_the_float32_batch_copy(bias):
+    """Several rows of a decode step multiply the float32 batch copy and round once; the plain weight is
+    zeroed after packing to show which copy each path reads."""
+    torch.manual_seed(0)
+    layer = Linear(96, 40, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(3, 1, 96, dtype=torch.bfloat16)
+    upcast = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    layer.pack_batch()
+    layer.weight.zero_()
+    y = layer(x, decode=True)
+    assert y.shape == (3, 1, 40) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), upcast, rtol=8e-3, atol=1e-5)  # within one bfloat16 rounding
+    from_plain = torch.zeros(40, dtype=torch.bfloat16) if layer.bias is None else layer.bias
+    assert torch.equal(layer(x), from_plain.expand(3, 1, -1))  # outside decode: the plain weight
+    assert torch.equal(layer(x[:1], decode=True), from_plain.expand(1, 1, -1))  # one row: not the batch copy
+    layer.float()  # a cast (or move) drops the batch copy
+    assert layer.batch_weight is None
+
+
+def test_batch_decode_feed_forward_through_the_stacked_copy_gives_the_separate_copies_values():
+    torch.manual_seed(0)
+    feed_forward = model_module.FeedForward(model_module.ModelArgs(dim=576, intermediate_size=1536))
+    feed_forward = feed_forward.to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(8, 1, 576, dtype=torch.bfloat16)
+    for projection in (feed_forward.w1, feed_forward.w2, feed_forward.w3):
+        projection.pack_batch()
+    separate = feed_forward(x, decode=True)
+    feed_forward.pack_batch()
+    feed_forward.w1.weight.zero_()
+    feed_forward.w3.weight.zero_()
+    assert torch.equal(feed_forward(x, decode=True), separate)
+
+
+def test_batch_copies_are_made_for_emulated_half_precision_when_they_fit_a_quarter_of_free_memory(monkeypatch):
+    model = tiny_transformer(seed=0, dtype=torch.bfloat16)
+    copy_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, Linear))
+    monkeypatch.setattr(one_token, "HALF_MATMUL_IS_EMULATED", False)
+    monkeypatch.setattr(one_token, "free_memory_bytes", lambda: 4 * copy_bytes)
+    one_token.pack_batch_weights(model)
+    assert not any(batch_copies(model))  # half precision has its own instructions
+    monkeypatch.setattr(one_token, "HALF_MATMUL_IS_EMULATED", True)
+    monkeypatch.setattr(one_token, "free_memory_bytes", lambda: 4 * copy_bytes - 1)
+    one_token.pack_batch_weights(model)
+    assert not any(batch_copies(model))
+    monkeypatch.setattr(one_token, "free_memory_bytes", lambda: 4 * copy_bytes)
+    generation.setup_caches(model, default_cache_kwargs(), 8, 4, batch_size=1)
+    assert not any(batch_copies(model))  # a batch of one needs none
+    generation.setup_caches(model, default_cache_kwargs(), 8, 4, batch_size=2)
+    assert all(batch_copies(model))
+    assert model.layers[0].feed_forward.w1.batch_weight is None  # w1 and w3 only in their stacked copy
+
+
+def batch_copies(model: torch.nn.Module) -> list[bool]:
+    return [m.batch_weight is not None for m in one_token.one_token_projections(model)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
