@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cache import KVCache
+from one_token import matmul_dtype
 from strategies.heavy_hitter import cpu_flash_attention
 
 REPEAT_REQUEST = "\n\nRepeat the previous context exactly.\n"
@@ -67,8 +68,9 @@ class KVzipCache(KVCache):
 
         The context (the held slots, the same in every head while it awaits its scores) and the
         chunk (causally) are attended apart and merged by their log-sum-exp, with no mask; each
-        context key's largest probability is exp(max over queries of score - lse), from one matmul in
-        the cache's dtype whose queries carry -lse as extra dimensions."""
+        context key's largest probability is exp(max over queries of score - lse), from one matmul
+        (in the cache's dtype, or float32 where half precision is emulated) whose queries carry -lse
+        as extra dimensions."""
         bsz, n_kv, n, head_dim = k.shape
         group = query.shape[1] // n_kv
         held = (self.pos[0, 0] >= 0).nonzero().squeeze(1)
@@ -83,11 +85,13 @@ class KVzipCache(KVCache):
         lse = torch.logaddexp(lse_context, lse_chunk)
         out = out_context.float() * (lse_context - lse).exp().unsqueeze(-1)
         out += out_chunk.float().reshape(out.shape) * (lse_chunk - lse).exp().unsqueeze(-1)
+        work = matmul_dtype(q)
         neg_lse = -lse.unsqueeze(-1)
-        high = neg_lse.to(q.dtype)  # in two parts, so that half precision keeps the log-sum-exp's
-        queries = torch.cat([q * (1.0 / math.sqrt(head_dim)), high, (neg_lse - high.float()).to(q.dtype)], dim=-1)
-        ones = context_k.new_ones((*context_k.shape[:3], 2))
-        scores = queries @ torch.cat([context_k, ones], dim=-1).transpose(-1, -2)  # score - lse, [B, H, G*N, S]
+        high = neg_lse.to(work)  # in two parts, so that half precision keeps the log-sum-exp's
+        scaled = q.to(work) * (1.0 / math.sqrt(head_dim))
+        queries = torch.cat([scaled, high, (neg_lse - high.float()).to(work)], dim=-1)
+        ones = context_k.new_ones((*context_k.shape[:3], 2), dtype=work)
+        scores = queries @ torch.cat([context_k.to(work), ones], dim=-1).transpose(-1, -2)  # score - lse
         largest = scores.amax(dim=2).float().exp()
         self.max_received[:, :, held] = torch.maximum(self.max_received[:, :, held], largest)
         return out.to(query.dtype).view(query.shape)
