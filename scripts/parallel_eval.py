@@ -21,7 +21,7 @@ Jobs whose results are already complete (all_metrics.json of their results folde
 requested task, with as many samples as asked for) are skipped; others rerun and eval.py resumes
 from the samples already written. Jobs writing the same results folder (the same configuration
 with different tasks) never run at the same time. Each job's output goes to
-`<out_dir>/logs/<job>.log`; a failed job is reported with its log and does not stop the others.
+`<out_dir>/logs/<job>.log` (a rerun appends); a failed job is reported with its log and does not stop the others.
 A summary table ends the run; the exit code is 1 when any job failed.
 """
 
@@ -293,8 +293,9 @@ def run_command(argv, shell, log_path: str, cwd: str, env: dict, timeout: float 
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = ["bash", "-c", shell] if shell is not None else argv
     timed_out = False
-    with open(log_path, "wb") as log:
-        log.write(f"$ {shell if shell is not None else shlex.join(argv)}\n".encode())
+    with open(log_path, "ab") as log:  # a rerun keeps the earlier runs' output above its own
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        log.write(f"=== {stamp}\n$ {shell if shell is not None else shlex.join(argv)}\n".encode())
         log.flush()
         proc = subprocess.Popen(
             command,

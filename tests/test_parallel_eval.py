@@ -159,6 +159,10 @@ def test_failed_and_killed_jobs_are_reported_and_do_not_stop_the_others(tmp_path
     assert "first ok" in logs["001__python"].read_text() and "last ok" in logs["004__python"].read_text()
     assert "about to fail" in logs["002__python"].read_text()
     assert f"see {logs['002__python']}" in result.stdout and f"see {logs['003__python']}" in result.stdout
+    rerun = run_runner("--command_file", commands, "--num_workers", "2", "--out_dir", tmp_path / "out")
+    assert [row[0] for row in summary(rerun.stdout).values()] == ["ok", "failed", "failed", "ok"]
+    log_lines = logs["002__python"].read_text().splitlines()
+    assert log_lines.count("about to fail") == 2 and len([s for s in log_lines if s.startswith("=== ")]) == 2
 
 
 # ---- a real sweep on Ray vs one after another ------------------------------------------------
