@@ -353,8 +353,9 @@ def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]
 
 
 class Linear(KeepsPackedCopy, nn.Linear):
-    """nn.Linear on the CPU kernel that suits the shape and dtype (one_token.linear); one token of a
-    decode step (`decode`) goes through the packed copy of the weight where load_model made one."""
+    """nn.Linear on the CPU kernel that suits the shape and dtype (one_token.linear); a decode step
+    (`decode`) goes through a packed copy of the weight where one was made: one token through
+    load_model's one-token copy, several rows through the float32 batch copy."""
 
     def forward(self, x: Tensor, decode: bool = False) -> Tensor:
         y = self.packed_product(x, decode, self.bias)

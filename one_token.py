@@ -6,8 +6,9 @@ weights in its own blocked layout faster than the plain weights, with the same v
 packs them (pack_one_token_weights) and one token of a decode step goes through the packed copy
 (KeepsPackedCopy.packed_product). Where the CPU only emulates half precision, a decode step of a batch
 (several rows) goes through a float32 packed copy instead (pack_batch_weights, made when a batch is
-set up): the emulated half-precision GEMM, or an upcast of every weight at every step, costs more than
-streaming twice the bytes. Everything else goes through `linear`, which works around CPUs that only
+set up, and kept while the model lives): the emulated half-precision GEMM, or an upcast of every
+weight at every step, costs more than streaming twice the bytes. Neither copy is made without oneDNN
+or where it would take over a quarter of the available memory. Everything else goes through `linear`, which works around CPUs that only
 emulate half precision. Each path rounds alike eager and compiled, so compiled tokens stay eager's.
 """
 

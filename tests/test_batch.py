@@ -10,13 +10,14 @@ import sys
 
 import pytest
 import torch
-from helpers import tiny_prompt, tiny_transformer
+from helpers import batch_copies, tiny_prompt, tiny_transformer
 
 import generation
 import strategies
 from cache_args import check_compatibility, default_cache_kwargs
 from generate import PROMPT_DIR
 from generation import DEFAULT_CHECKPOINT, load_model
+from one_token import HALF_MATMUL_IS_EMULATED
 from tokenizer import get_tokenizer
 
 ROOT = PROMPT_DIR.parent
@@ -138,6 +139,7 @@ def test_compiled_bfloat16_batch_decodes_as_eager():
     prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS[:4])]
     kwargs = compressing_kwargs("l2")
     eager = generation.generate_batch(model, prompts, NEW_TOKENS, kwargs, seeds=range(4))
+    assert all(batch_copies(model)) == HALF_MATMUL_IS_EMULATED
     compiled = generation.generate_batch(model, prompts, NEW_TOKENS, kwargs, steps=steps, seeds=range(4))
     assert [tokens.tolist() for tokens, _ in compiled] == [tokens.tolist() for tokens, _ in eager]
 

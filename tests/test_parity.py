@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from convert_hf_checkpoint import convert_hf_checkpoint, main
-from helpers import packed_copies, tiny_transformer
+from helpers import batch_copies, packed_copies, tiny_transformer
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -308,6 +308,22 @@ def test_batch_decode_feed_forward_through_the_stacked_copy_gives_the_separate_c
     assert torch.equal(feed_forward(x, decode=True), separate)
 
 
+@pytest.mark.slow
+def test_compiled_batch_feed_forward_rounds_as_eager():
+    """Compiled, the batch copies' products, their rounding to bfloat16 and the SiLU between them give
+    eager's values bit for bit (the embedded model's shapes, 4 rows)."""
+    torch.manual_seed(0)
+    feed_forward = model_module.FeedForward(model_module.ModelArgs(dim=576, intermediate_size=1536))
+    feed_forward = feed_forward.to(torch.bfloat16).requires_grad_(False)
+    feed_forward.pack_batch()
+    feed_forward.w2.pack_batch()
+    step = lambda module, x: module(x, decode=True)  # noqa: E731
+    compiled = generation.compile_steps({"decode": step, "prefill": step}, torch.device("cpu"))["decode"]
+    x = torch.randn(4, 1, 576, dtype=torch.bfloat16)
+    with torch.no_grad():  # as generation runs: freezing takes the packed copies as constants
+        assert torch.equal(compiled(feed_forward, x), step(feed_forward, x))
+
+
 def test_batch_copies_are_made_for_emulated_half_precision_when_they_fit_a_quarter_of_free_memory(monkeypatch):
     model = tiny_transformer(seed=0, dtype=torch.bfloat16)
     copy_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, Linear))
@@ -325,10 +341,6 @@ def test_batch_copies_are_made_for_emulated_half_precision_when_they_fit_a_quart
     generation.setup_caches(model, default_cache_kwargs(), 8, 4, batch_size=2)
     assert all(batch_copies(model))
     assert model.layers[0].feed_forward.w1.batch_weight is None  # w1 and w3 only in their stacked copy
-
-
-def batch_copies(model: torch.nn.Module) -> list[bool]:
-    return [m.batch_weight is not None for m in one_token.one_token_projections(model)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

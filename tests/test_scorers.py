@@ -16,10 +16,10 @@ HEADS, GROUP, HEAD_DIM, LENGTH, PROMPT, GLOBAL, RECENT = 2, 2, 8, 12, 30, 2, 3
 ROPE_BASE = 100.0  # angles that turn visibly within the prompt
 
 
-def new_cache(name: str):
+def new_cache(name: str, dtype: torch.dtype = torch.float32):
     kwargs = default_cache_kwargs(global_tokens=GLOBAL, recent_window=RECENT)
     compressor = strategies.natural_compressor(name)
-    cache = strategies.new_cache(name, compressor, (1, HEADS, HEAD_DIM), LENGTH, PROMPT + 4, torch.float32, kwargs)
+    cache = strategies.new_cache(name, compressor, (1, HEADS, HEAD_DIM), LENGTH, PROMPT + 4, dtype, kwargs)
     cache.set_rope_frequencies(rope_frequencies(HEAD_DIM, ROPE_BASE).float())
     return cache
 
@@ -170,33 +170,62 @@ def test_tova_scores_with_the_latest_query_only():
     assert torch.allclose(cache.score(torch.tensor([PROMPT + 1])), expected)
 
 
+def reconstruction_chunk(q, k, v, cache, n: int = 7):
+    """The prompt into a kvzip cache, held whole, then a reconstruction chunk of n tokens read and
+    dropped; returns the chunk's queries, keys, values and the cache's output for it."""
+    cache.attend_prompt(torch.arange(PROMPT), q, k, v)
+    assert cache.reconstruction_prompt() == [] and int((cache.pos >= 0).sum(-1).max()) == PROMPT
+    generator = torch.Generator().manual_seed(5)
+    rq, rk, rv = (
+        torch.randn(1, h, n, HEAD_DIM, generator=generator).to(q.dtype) for h in (HEADS * GROUP, HEADS, HEADS)
+    )
+    cache.set_peeking(True)
+    out = cache.attend_chunk(torch.arange(PROMPT, PROMPT + n), rq, rk, rv)
+    cache.set_peeking(False)
+    return rq, rk, rv, out
+
+
+def largest_attention_received(k, rq, rk, head: int) -> dict[int, float]:
+    """Each context token's largest attention from the chunk's queries of the head's group."""
+    received = dict.fromkeys(range(PROMPT), 0.0)
+    keys = [k[0, head, p].tolist() for p in range(PROMPT)] + [rk[0, head, i].tolist() for i in range(rk.shape[2])]
+    for g in range(GROUP):
+        for i in range(rq.shape[2]):
+            query = rq[0, head * GROUP + g, i].tolist()
+            probs = softmax([dot(query, key) / math.sqrt(HEAD_DIM) for key in keys[: PROMPT + i + 1]])
+            for p in range(PROMPT):
+                received[p] = max(received[p], probs[p])
+    return received
+
+
 def test_kvzip_keeps_what_the_reconstruction_attends_to_most():
     """The context held whole, a reconstruction chunk read and dropped, then the budget by the
     largest attention each context token received from the chunk's queries (max over the group)."""
     q, k, v = random_prompt(seed=4)
     cache = new_cache("kvzip")
-    cache.attend_prompt(torch.arange(PROMPT), q, k, v)
-    assert cache.reconstruction_prompt() == [] and int((cache.pos >= 0).sum(-1).max()) == PROMPT
-    n = 7
-    generator = torch.Generator().manual_seed(5)
-    rq, rk, rv = (torch.randn(1, h, n, HEAD_DIM, generator=generator) for h in (HEADS * GROUP, HEADS, HEADS))
-    cache.set_peeking(True)
-    out = cache.attend_chunk(torch.arange(PROMPT, PROMPT + n), rq, rk, rv)
-    cache.set_peeking(False)
+    rq, rk, rv, out = reconstruction_chunk(q, k, v, cache)
+    n = rq.shape[2]
     sees = torch.ones(n, PROMPT + n, dtype=torch.bool).tril(PROMPT)  # the context, then the chunk causally
     both = [torch.cat([x, r], dim=2).repeat_interleave(GROUP, dim=1) for x, r in ((k, rk), (v, rv))]
     assert torch.allclose(out, F.scaled_dot_product_attention(rq, *both, attn_mask=sees), atol=1e-5)
     cache.finish_reconstruction()
     assert cache.reconstruction_prompt() is None and cache.pos.shape[-1] == LENGTH
     for head in range(HEADS):
-        received = dict.fromkeys(range(PROMPT), 0.0)
-        keys = [k[0, head, p].tolist() for p in range(PROMPT)] + [rk[0, head, i].tolist() for i in range(n)]
-        for g in range(GROUP):
-            for i in range(n):
-                query = rq[0, head * GROUP + g, i].tolist()
-                probs = softmax([dot(query, key) / math.sqrt(HEAD_DIM) for key in keys[: PROMPT + i + 1]])
-                for p in range(PROMPT):
-                    received[p] = max(received[p], probs[p])
+        received = largest_attention_received(k, rq, rk, head)
         held = [p for p in cache.pos[0, head].tolist() if p >= 0]
         assert held == kept_by_reference(received, LENGTH, PROMPT - 1), head
         assert torch.equal(cache.k_cache[0, head, : len(held)], k[0, head, held])
+
+
+@pytest.mark.parametrize(("work", "rtol"), [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)], ids=["float32", "bfloat16"])
+def test_kvzip_half_precision_records_the_largest_attention(work, rtol, monkeypatch):
+    """A bfloat16 cache's reconstruction scores, with the score product in float32 (CPUs that emulate
+    half precision) or in bfloat16 (its log-sum-exp carried in two parts), are the largest attention of
+    its bfloat16 values: to float32's precision, or to bfloat16's rounding."""
+    monkeypatch.setattr(strategies.kvzip, "matmul_dtype", lambda x: work)
+    q, k, v = (x.bfloat16() for x in random_prompt(seed=4))
+    cache = new_cache("kvzip", torch.bfloat16)
+    rq, rk, _, _ = reconstruction_chunk(q, k, v, cache)
+    for head in range(HEADS):
+        expected = torch.tensor(list(largest_attention_received(k, rq, rk, head).values()))
+        torch.testing.assert_close(cache.max_received[0, head, :PROMPT].double(), expected.double(), rtol=rtol, atol=0)
