@@ -273,8 +273,8 @@ def check_prompt_fits(args, cache_kwargs: dict, config, prompt_length: int, ques
 
 def generate_prompts_file(args, model, tokenizer, cache_kwargs: dict, steps: dict, prompts: list) -> None:
     """Generates for the prompts in batches of --batch_size; prints each output with its statistics
-    (a csv row each), then the throughput over all batches. Prompt i's random eviction is seeded
-    with --seed + i, so it evicts the same whatever the batch size."""
+    (a csv row each), then the throughput over all batches. Prompt i's sampling and random eviction
+    are seeded with --seed + i, so it samples and evicts the same whatever the batch size."""
     device = model.output.weight.device
     sampling = {"terminator_ids": tokenizer.terminator_ids, "temperature": args.temperature, "top_k": args.top_k}
     prefill_time = decode_time = 0.0

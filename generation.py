@@ -79,8 +79,10 @@ def load_model(checkpoint_dir: Path, device, dtype: torch.dtype, shard=None) -> 
     return model
 
 
-def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -> Tensor:
-    """Next token from the last position's logits [B, vocab]: greedy at temperature 0."""
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, generators=None) -> Tensor:
+    """Next token from the last position's logits [B, vocab]: greedy at temperature 0. `generators`
+    (one per sequence) draw each sequence's randomness, so that it samples alike alone or in a batch;
+    without them, torch's global generator."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
@@ -89,7 +91,11 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None) -
         logits = torch.where(logits < kth, -float("inf"), logits)
     probs = torch.softmax(logits, dim=-1)
     # Exponential race instead of multinomial: no host sync.
-    return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1, keepdim=True)
+    if generators is None:
+        noise = torch.empty_like(probs).exponential_(1)
+    else:
+        noise = torch.stack([torch.empty_like(row).exponential_(1, generator=g) for row, g in zip(probs, generators)])
+    return torch.argmax(probs / noise, dim=-1, keepdim=True)
 
 
 def prefill(model: Transformer, x: Tensor, input_pos: Tensor, extends: bool = False) -> Tensor:
@@ -354,23 +360,26 @@ def decode_from(
     top_k: int | None = None,
     callback=None,
     on_finish=None,
+    generators=None,
 ) -> tuple[list[Tensor], list[float]]:
     """Samples up to max_new_tokens for each sequence of logits [B, vocab], the first from `logits`,
     the next by decode steps from position start[b] (an int when B = 1), stopping a sequence after a
     terminator. A finished sequence keeps stepping while others run (the step's shapes are fixed)
     and its later tokens are dropped; `on_finish(b, n_tokens, seconds)` sees it as it finishes,
-    before another step changes its caches. `callback(token_id)` streams a single sequence's tokens.
-    Returns each sequence's tokens and decode seconds."""
+    before another step changes its caches. `callback(token_id)` streams a single sequence's tokens;
+    `generators` (one per sequence) sample it (see `sample`). Returns each sequence's tokens and decode
+    seconds."""
     device = model.output.weight.device
     bsz = logits.shape[0]
     positions = torch.as_tensor(start, device=device).view(-1, 1)
     terminators = torch.tensor(list(terminator_ids) or [-1], device=device)
-    next_token = sample(logits, temperature, top_k)
+    next_token = sample(logits, temperature, top_k, generators)
     tokens, n_tokens, seconds = [next_token], [0] * bsz, [0.0] * bsz
     decode_start = time.perf_counter()
     for step in range(max_new_tokens):
         if step:
-            next_token = sample(steps["decode"](model, next_token, positions + step - 1), temperature, top_k)
+            logits = steps["decode"](model, next_token, positions + step - 1)
+            next_token = sample(logits, temperature, top_k, generators)
             tokens.append(next_token)
         if callback:
             callback(int(next_token[0]))
@@ -441,7 +450,8 @@ def generate_batch(
     ever enters a cache); then its caches join one batch cache per layer as a row (the row's slots
     past its own size unallocated) and the sequences decode together, each at its own positions.
     Each prompt's statistics are its own, as if it ran alone; decode seconds run until it finished.
-    `seeds`: a torch seed set before each prompt's prefill, so random eviction repeats alone.
+    `seeds`: a torch seed set before each prompt's prefill, and the seed of its own sampling generator,
+    so that random eviction and sampling repeat alone.
     """
     steps = steps or STEPS
     device = model.output.weight.device
@@ -470,7 +480,8 @@ def generate_batch(
         caches, prefill_time = rows[b]
         statistics[b] = run_statistics(lengths[b], n_tokens, prefill_time, decode_time, caches)
 
-    sampling = (terminator_ids, temperature, top_k, callback, finished)
+    generators = None if seeds is None else [torch.Generator(device).manual_seed(seed) for seed in seeds]
+    sampling = (terminator_ids, temperature, top_k, callback, finished, generators)
     tokens, _ = decode_from(model, torch.cat(logits), torch.tensor(lengths), max_new_tokens, steps, *sampling)
     return list(zip(tokens, statistics))
 

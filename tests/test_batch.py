@@ -87,6 +87,21 @@ def test_a_sequence_that_ends_stops_alone_while_the_others_run(tiny):
     assert len(batched[0][0]) <= 4 < max(len(t) for t, _ in batched)
 
 
+def test_each_prompt_of_a_batch_samples_as_it_does_alone(tiny):
+    """Sampling (temperature 0.8, top-k 20): each prompt draws from its own seeded generator, so it
+    samples the tokens it samples alone, whatever else is in the batch."""
+    prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
+    kwargs, sampling = compressing_kwargs("l2"), {"temperature": 0.8, "top_k": 20}
+    alone = [
+        generation.generate_batch(tiny, [p], NEW_TOKENS, kwargs, seeds=[i], **sampling)[0]
+        for i, p in enumerate(prompts)
+    ]
+    batched = generation.generate_batch(tiny, prompts, NEW_TOKENS, kwargs, seeds=range(len(prompts)), **sampling)
+    assert_same(alone, batched)
+    greedy = generation.generate_batch(tiny, prompts, NEW_TOKENS, kwargs, seeds=range(len(prompts)))
+    assert [t.tolist() for t, _ in greedy] != [t.tolist() for t, _ in batched]  # it did sample
+
+
 @pytest.mark.parametrize("name", ["l2", "heavy_hitter", "kvzip"])
 def test_context_only_and_chunked_prefill_batch_as_alone(name, tiny):
     """Each row compresses its context before its question, in chunks, on its own."""
@@ -200,3 +215,19 @@ def test_generate_py_runs_a_prompts_file_in_batches(tmp_path):
     for key in ("prompt_tokens", "new_tokens", "compression_ratio", "cache_memory_bytes"):
         assert [r[key] for r in rows[4]] == [r[key] for r in rows[1]], key
     assert len({r["prompt_tokens"] for r in rows[4]}) > 1
+
+
+@pytest.mark.slow
+def test_generate_py_samples_each_prompt_alike_in_any_batch(tmp_path):
+    """`--temperature 0.9 --top_k 40` over a prompts file: each prompt's sampled text is the same with
+    `--batch_size 1` and `--batch_size 3`; another `--seed` samples other text."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Tell me a story.\nName an animal.\nWhat is rain?\n")
+    flags = ["--prompts_file", str(prompts), "--max_new_tokens", "12", "--dtype", "float32"]
+    flags += ["--temperature", "0.9", "--top_k", "40"]
+    outputs = {}
+    for batch_size, seed in ((1, "0"), (3, "0"), (3, "1")):
+        out = run_generate(*flags, "--batch_size", str(batch_size), "--seed", seed)
+        outputs[batch_size, seed] = re.findall(r"--- prompt \d of 3 ---\n(.*?)\n\nprefill:", out, re.S)
+    assert len(outputs[3, "0"]) == 3 and outputs[3, "0"] == outputs[1, "0"]
+    assert outputs[3, "1"] != outputs[3, "0"]
