@@ -20,6 +20,7 @@ from one_token import matmul_dtype
 from strategies.heavy_hitter import cpu_flash_attention
 
 REPEAT_REQUEST = "\n\nRepeat the previous context exactly.\n"
+SCORE_BLOCK = 128  # query rows per score product: 3 KV heads x 4K context is 6 MiB of float32 scores
 
 
 class KVzipCache(KVCache):
@@ -68,9 +69,10 @@ class KVzipCache(KVCache):
 
         The context (the held slots, the same in every head while it awaits its scores) and the
         chunk (causally) are attended apart and merged by their log-sum-exp, with no mask; each
-        context key's largest probability is exp(max over queries of score - lse), from one matmul
-        (in the cache's dtype, or float32 where half precision is emulated) whose queries carry -lse
-        as extra dimensions."""
+        context key's largest probability is exp(max over queries of score - lse), from a matmul (in
+        the cache's dtype, or float32 where half precision is emulated) whose queries carry -lse as
+        extra dimensions, taken a block of queries at a time so that the scores stay in the CPU's
+        cache instead of filling memory (queries x context)."""
         bsz, n_kv, n, head_dim = k.shape
         group = query.shape[1] // n_kv
         held = (self.pos[0, 0] >= 0).nonzero().squeeze(1)
@@ -91,9 +93,11 @@ class KVzipCache(KVCache):
         scaled = q.to(work) * (1.0 / math.sqrt(head_dim))
         queries = torch.cat([scaled, high, (neg_lse - high.float()).to(work)], dim=-1)
         ones = context_k.new_ones((*context_k.shape[:3], 2), dtype=work)
-        scores = queries @ torch.cat([context_k.to(work), ones], dim=-1).transpose(-1, -2)  # score - lse
-        largest = scores.amax(dim=2).float().exp()
-        self.max_received[:, :, held] = torch.maximum(self.max_received[:, :, held], largest)
+        keys_t = torch.cat([context_k.to(work), ones], dim=-1).transpose(-1, -2)
+        largest = torch.full((bsz, n_kv, keys_t.shape[-1]), -math.inf, dtype=work, device=k.device)
+        for start in range(0, queries.shape[2], SCORE_BLOCK):  # score - lse, a block of queries at a time
+            torch.maximum(largest, (queries[:, :, start : start + SCORE_BLOCK] @ keys_t).amax(dim=2), out=largest)
+        self.max_received[:, :, held] = torch.maximum(self.max_received[:, :, held], largest.float().exp())
         return out.to(query.dtype).view(query.shape)
 
     def insert_state(self, slots, k, state):

@@ -223,6 +223,7 @@ def test_kvzip_half_precision_records_the_largest_attention(work, rtol, monkeypa
     half precision) or in bfloat16 (its log-sum-exp carried in two parts), are the largest attention of
     its bfloat16 values: to float32's precision, or to bfloat16's rounding."""
     monkeypatch.setattr(strategies.kvzip, "matmul_dtype", lambda x: work)
+    monkeypatch.setattr(strategies.kvzip, "SCORE_BLOCK", 4)  # the chunk's 14 query rows in 4 blocks
     q, k, v = (x.bfloat16() for x in random_prompt(seed=4))
     cache = new_cache("kvzip", torch.bfloat16)
     rq, rk, _, _ = reconstruction_chunk(q, k, v, cache)
