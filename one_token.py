@@ -8,8 +8,9 @@ packs them (pack_one_token_weights) and one token of a decode step goes through 
 (several rows) goes through a float32 packed copy instead (pack_batch_weights, made when a batch is
 set up, and kept while the model lives): the emulated half-precision GEMM, or an upcast of every
 weight at every step, costs more than streaming twice the bytes. Neither copy is made without oneDNN
-or where it would take over a quarter of the available memory. Everything else goes through `linear`, which works around CPUs that only
-emulate half precision. Each path rounds alike eager and compiled, so compiled tokens stay eager's.
+or where it would take over a quarter of the available memory. Everything else goes through
+`linear`, which works around CPUs that only emulate half precision. Each path rounds alike eager and
+compiled, so compiled tokens stay eager's.
 """
 
 import torch
