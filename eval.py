@@ -427,7 +427,7 @@ def run_sample(model, tokenizer, task, sample, chat: bool, cache_kwargs: dict, s
             steps=steps,
             context_length=context_length,
         )
-        prediction = answer_text(tokenizer, tokens)
+        prediction = tokenizer.decode_answer(tokens)
     elif task.kind == "multiple_choice":
         lls, all_stats = [], []
         for option in sample.options:
@@ -497,7 +497,7 @@ def run_shared_context(model, tokenizer, task, group, todo, chat: bool, cache_kw
     )  # fmt: skip
     for sample, (tokens, stats) in zip(todo, answers):
         stats["seconds"] = stats["prefill_time"] + stats["decode_time"]
-        yield prediction_row(sample, encoded[sample.id][0], answer_text(tokenizer, tokens), "", stats)
+        yield prediction_row(sample, encoded[sample.id][0], tokenizer.decode_answer(tokens), "", stats)
 
 
 def run_batch(model, tokenizer, task, batch, chat: bool, cache_kwargs: dict, steps: dict, seed: int):
@@ -512,11 +512,7 @@ def run_batch(model, tokenizer, task, batch, chat: bool, cache_kwargs: dict, ste
     )  # fmt: skip
     for sample, (text, _, _), (tokens, stats) in zip(batch, encoded, results):
         stats["seconds"] = stats["prefill_time"] + stats["decode_time"]
-        yield prediction_row(sample, text, answer_text(tokenizer, tokens), "", stats)
-
-
-def answer_text(tokenizer, tokens) -> str:
-    return tokenizer.decode([t for t in tokens.tolist() if t not in tokenizer.terminator_ids])
+        yield prediction_row(sample, text, tokenizer.decode_answer(tokens), "", stats)
 
 
 def mean(values) -> float | None:

@@ -290,7 +290,7 @@ def generate_prompts_file(args, model, tokenizer, cache_kwargs: dict, steps: dic
             decoded += stats["new_tokens"] - 1
             stats["total_time"] = stats["prefill_time"] + stats["decode_time"]
             stats["peak_memory_bytes"] = peak_memory_bytes(device)
-            text = tokenizer.decode([t for t in tokens.tolist() if t not in tokenizer.terminator_ids])
+            text = tokenizer.decode_answer(tokens)
             print(f"\n--- prompt {first + b + 1} of {len(prompts)} ---\n{text}")
             print_statistics(stats)
             if args.csv:
@@ -369,7 +369,7 @@ def main(argv=None) -> None:
         """Prints the text decoded so far, minus what was already printed (multi-byte safe)."""
         streamed.append(token)
         if token not in tokenizer.terminator_ids:
-            text_so_far = tokenizer.decode([t for t in streamed if t not in tokenizer.terminator_ids])
+            text_so_far = tokenizer.decode_answer(streamed)
             print(text_so_far[stream.printed :], end="", flush=True)
             stream.printed = len(text_so_far)
 

@@ -480,7 +480,8 @@ def generate_batch(
         caches, prefill_time = rows[b]
         statistics[b] = run_statistics(lengths[b], n_tokens, prefill_time, decode_time, caches)
 
-    generators = None if seeds is None else [torch.Generator(device).manual_seed(seed) for seed in seeds]
+    own_noise = seeds is not None and temperature > 0
+    generators = [torch.Generator(device).manual_seed(seed) for seed in seeds] if own_noise else None
     sampling = (terminator_ids, temperature, top_k, callback, finished, generators)
     tokens, _ = decode_from(model, torch.cat(logits), torch.tensor(lengths), max_new_tokens, steps, *sampling)
     return list(zip(tokens, statistics))

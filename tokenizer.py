@@ -61,6 +61,11 @@ class TokenizerInterface:
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
 
+    def decode_answer(self, ids) -> str:
+        """The text of generated ids (a list or a tensor), without the end-of-turn tokens."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids
+        return self.decode([i for i in ids if i not in self.terminator_ids])
+
     @property
     def vocab_size(self) -> int:
         raise NotImplementedError
