@@ -11,7 +11,7 @@ from torch import Tensor
 
 from cache import cache_state, cache_statistics, create_caches, load_cache_state
 from model import ModelArgs, Transformer
-from one_token import pack_batch_weights, pack_one_token_weights
+from one_token import pack_one_token_weights
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct"
 PREPARE_HINT = {"SmolLM2-135M-Instruct": "bash scripts/prepare_smollm2.sh (or: make demo)"}
@@ -111,10 +111,7 @@ def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor
 def setup_caches(
     model: Transformer, cache_kwargs: dict, prompt_length: int, max_new_tokens: int, batch_size: int = 1
 ) -> list:
-    """The model's caches for `batch_size` sequences; a batch of several first gets the model's batch
-    weights (one_token.pack_batch_weights)."""
-    if batch_size > 1:
-        pack_batch_weights(model)
+    """The model's caches for `batch_size` sequences."""
     config = model.config
     device, dtype = model.output.weight.device, model.output.weight.dtype
     caches = create_caches(

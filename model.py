@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from one_token import KeepsPackedCopy, linear
+from one_token import KeepsPackedCopy, decode_attention, linear
 from quantization_utils import QuantizedTensor, order_free_dtype, quantized_scores, quantized_weighted_sum
 
 
@@ -305,15 +305,14 @@ class Attention(nn.Module):
         group = self.n_head // self.n_local_heads
         keys, values, mask = self.kv_cache.update_kv(input_pos, k, v, query=q, token_ids=token_ids)
         q = q.view(bsz, self.n_local_heads, group * seqlen, self.head_dim)
-        mask = mask.unsqueeze(2)
         if self.kv_cache.return_attn():
-            y, attn = attention_with_probs(q, keys, values, mask)
+            y, attn = attention_with_probs(q, keys, values, mask.unsqueeze(2))
             attn = attn.view(bsz, self.n_local_heads, group, seqlen, -1)
             self.kv_cache.update_state(input_pos, k, v, is_prefill=False, attn=attn)
         elif isinstance(keys, QuantizedTensor):
-            y, _ = attention_with_probs(q, keys, values, mask)
+            y, _ = attention_with_probs(q, keys, values, mask.unsqueeze(2))
         else:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            y = decode_attention(q, keys, values, mask)
         return y.view(bsz, self.n_head, seqlen, self.head_dim)
 
 
@@ -353,9 +352,8 @@ def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]
 
 
 class Linear(KeepsPackedCopy, nn.Linear):
-    """nn.Linear on the CPU kernel that suits the shape and dtype (one_token.linear); a decode step
-    (`decode`) goes through a packed copy of the weight where one was made: one token through
-    load_model's one-token copy, several rows through the float32 batch copy."""
+    """nn.Linear on the CPU kernel that suits the shape and dtype (one_token.linear); one token of a
+    decode step (`decode`) goes through load_model's packed copy of the weight where one was made."""
 
     def forward(self, x: Tensor, decode: bool = False) -> Tensor:
         y = self.packed_product(x, decode, self.bias)

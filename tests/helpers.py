@@ -40,8 +40,3 @@ def tiny_prompt(length: int, seed: int = 0, vocab_size: int = TINY_CONFIG["vocab
 def packed_copies(model: torch.nn.Module) -> list[bool]:
     """Whether each one-token projection of the model has its packed copy (w1 and w3: their FeedForward's)."""
     return [m.packed_weight is not None for m in one_token_projections(model)]
-
-
-def batch_copies(model: torch.nn.Module) -> list[bool]:
-    """Whether each projection of the model has its float32 batch copy (one_token.pack_batch_weights)."""
-    return [m.batch_weight is not None for m in one_token_projections(model)]

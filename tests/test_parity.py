@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from convert_hf_checkpoint import convert_hf_checkpoint, main
-from helpers import batch_copies, packed_copies, tiny_transformer
+from helpers import packed_copies, tiny_transformer
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -31,7 +31,7 @@ from cache_args import default_cache_kwargs
 from generation import generate as our_generate
 from generation import load_model
 from model import Linear, ModelArgs
-from one_token import HALF_MATMUL_IS_EMULATED, ONEDNN_PACKS_BFLOAT16
+from one_token import HALF_KERNELS_MISSING, HALF_MATMUL_IS_EMULATED, HALF_ROWS_MAX, ONEDNN_PACKS_BFLOAT16
 from tokenizer import get_tokenizer
 
 LOGITS_ATOL = 1e-3
@@ -197,21 +197,21 @@ def test_tiny_greedy_continuation_matches_transformers(tiny):
     assert our_greedy(ours, ids, 16) == ref, kind
 
 
-def test_one_bfloat16_token_projects_through_mv_where_bfloat16_is_emulated():
-    """The eager decode fast path (torch.mv for one bfloat16 token on a CPU that emulates bfloat16)
-    computes the same projection; with bfloat16 instructions one token keeps F.linear."""
+def test_one_bfloat16_token_projects_through_the_kernel_that_suits_the_cpu():
+    """A decode step's token goes through half_kernels.cpp where half precision is emulated and it was
+    built, else through torch.mv where it is emulated, else F.linear: the same projection."""
     layer = Linear(96, 40, bias=True).to(torch.bfloat16)
     x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
     y = layer(x)
     assert y.shape == (1, 1, 40) and y.dtype == torch.bfloat16
-    if HALF_MATMUL_IS_EMULATED:
+    if HALF_MATMUL_IS_EMULATED and HALF_KERNELS_MISSING is None:
+        assert torch.equal(y.view(1, -1), torch.ops.kvwb.half_rows(x.view(1, -1), layer.weight, layer.bias))
+    elif HALF_MATMUL_IS_EMULATED:
         assert torch.equal(y.view(-1), torch.mv(layer.weight, x.view(-1)) + layer.bias)
     else:
         assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
     exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
     torch.testing.assert_close(y.double(), exact, rtol=2e-2, atol=2e-2)
-    two = torch.randn(1, 2, 96, dtype=torch.bfloat16)  # a prompt keeps the GEMM
-    assert torch.equal(layer(two), F.linear(two, layer.weight, layer.bias))
 
 
 @pytest.mark.skipif(
@@ -274,73 +274,33 @@ def test_decode_feed_forward_through_the_stacked_packed_w1_w3_gives_the_separate
     assert feed_forward.packed_weight is None
 
 
+@pytest.mark.skipif(HALF_KERNELS_MISSING is not None, reason=f"no half_kernels.cpp: {HALF_KERNELS_MISSING}")
 @pytest.mark.parametrize("bias", [True, False])
-def test_batch_decode_projects_through_the_float32_batch_copy(bias):
-    """Several rows of a decode step multiply the float32 batch copy and round once; the plain weight is
-    zeroed after packing to show which copy each path reads."""
+def test_decode_rows_project_through_half_rows_where_half_precision_is_emulated(bias):
+    """The rows of a batch's decode step, and a prompt of up to HALF_ROWS_MAX tokens, multiply the
+    plain half-precision weight in half_kernels.cpp; a longer prompt the float32 GEMM."""
     torch.manual_seed(0)
     layer = Linear(96, 40, bias=bias).to(torch.bfloat16).requires_grad_(False)
-    x = torch.randn(3, 1, 96, dtype=torch.bfloat16)
-    upcast = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-    layer.pack_batch()
-    layer.weight.zero_()
-    y = layer(x, decode=True)
-    assert y.shape == (3, 1, 40) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), upcast, rtol=8e-3, atol=1e-5)  # within one bfloat16 rounding
-    from_plain = torch.zeros(40, dtype=torch.bfloat16) if layer.bias is None else layer.bias
-    assert torch.equal(layer(x), from_plain.expand(3, 1, -1))  # outside decode: the plain weight
-    assert torch.equal(layer(x[:1], decode=True), from_plain.expand(1, 1, -1))  # one row: not the batch copy
-    layer.float()  # a cast (or move) drops the batch copy
-    assert layer.batch_weight is None
-
-
-def test_batch_decode_feed_forward_through_the_stacked_copy_gives_the_separate_copies_values():
-    torch.manual_seed(0)
-    feed_forward = model_module.FeedForward(model_module.ModelArgs(dim=576, intermediate_size=1536))
-    feed_forward = feed_forward.to(torch.bfloat16).requires_grad_(False)
-    x = torch.randn(8, 1, 576, dtype=torch.bfloat16)
-    for projection in (feed_forward.w1, feed_forward.w2, feed_forward.w3):
-        projection.pack_batch()
-    separate = feed_forward(x, decode=True)
-    feed_forward.pack_batch()
-    feed_forward.w1.weight.zero_()
-    feed_forward.w3.weight.zero_()
-    assert torch.equal(feed_forward(x, decode=True), separate)
+    for shape in ((3, 1, 96), (1, HALF_ROWS_MAX, 96)):
+        x = torch.randn(*shape, dtype=torch.bfloat16)
+        kernel = torch.ops.kvwb.half_rows(x.view(-1, 96), layer.weight, layer.bias).view(*shape[:-1], 40)
+        assert torch.equal(layer(x, decode=True), kernel)
+        assert torch.equal(layer(x), kernel)
 
 
 @pytest.mark.slow
 def test_compiled_batch_feed_forward_rounds_as_eager():
-    """Compiled, the batch copies' products, their rounding to bfloat16 and the SiLU between them give
-    eager's values bit for bit (the embedded model's shapes, 4 rows)."""
+    """Compiled, a batch's products (half_kernels.cpp where half precision is emulated: a custom op that
+    inductor calls), their rounding to bfloat16 and the SiLU between them give eager's values bit for
+    bit (the embedded model's shapes, 4 rows)."""
     torch.manual_seed(0)
     feed_forward = model_module.FeedForward(model_module.ModelArgs(dim=576, intermediate_size=1536))
     feed_forward = feed_forward.to(torch.bfloat16).requires_grad_(False)
-    feed_forward.pack_batch()
-    feed_forward.w2.pack_batch()
     step = lambda module, x: module(x, decode=True)  # noqa: E731
     compiled = generation.compile_steps({"decode": step, "prefill": step}, torch.device("cpu"))["decode"]
     x = torch.randn(4, 1, 576, dtype=torch.bfloat16)
-    with torch.no_grad():  # as generation runs: freezing takes the packed copies as constants
+    with torch.no_grad():  # as generation runs: freezing takes the weights as constants
         assert torch.equal(compiled(feed_forward, x), step(feed_forward, x))
-
-
-def test_batch_copies_are_made_for_emulated_half_precision_when_they_fit_a_quarter_of_free_memory(monkeypatch):
-    model = tiny_transformer(seed=0, dtype=torch.bfloat16)
-    copy_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, Linear))
-    monkeypatch.setattr(one_token, "HALF_MATMUL_IS_EMULATED", False)
-    monkeypatch.setattr(one_token, "free_memory_bytes", lambda: 4 * copy_bytes)
-    one_token.pack_batch_weights(model)
-    assert not any(batch_copies(model))  # half precision has its own instructions
-    monkeypatch.setattr(one_token, "HALF_MATMUL_IS_EMULATED", True)
-    monkeypatch.setattr(one_token, "free_memory_bytes", lambda: 4 * copy_bytes - 1)
-    one_token.pack_batch_weights(model)
-    assert not any(batch_copies(model))
-    monkeypatch.setattr(one_token, "free_memory_bytes", lambda: 4 * copy_bytes)
-    generation.setup_caches(model, default_cache_kwargs(), 8, 4, batch_size=1)
-    assert not any(batch_copies(model))  # a batch of one needs none
-    generation.setup_caches(model, default_cache_kwargs(), 8, 4, batch_size=2)
-    assert all(batch_copies(model))
-    assert model.layers[0].feed_forward.w1.batch_weight is None  # w1 and w3 only in their stacked copy
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -348,9 +308,9 @@ def test_half_precision_prompt_projects_through_one_float32_gemm(dtype):
     """On a CPU without half-precision instructions, a many-token projection is the float32 product
     of the same values, rounded once: within the dtype's rounding of the exact product."""
     layer = Linear(96, 40, bias=True).to(dtype)
-    x = torch.randn(2, 16, 96, dtype=dtype)
+    x = torch.randn(1, HALF_ROWS_MAX + 1, 96, dtype=dtype)
     y = layer(x)
-    assert y.shape == (2, 16, 40) and y.dtype == dtype
+    assert y.shape == (1, HALF_ROWS_MAX + 1, 40) and y.dtype == dtype
     exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
     torch.testing.assert_close(y.double(), exact, rtol=2e-2, atol=2e-2)
     upcast = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype)

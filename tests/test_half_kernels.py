@@ -1,0 +1,122 @@
+"""half_kernels.cpp, the decode kernels of CPUs that emulate half precision: values against exact
+float64 references, a sequence's values independent of its batch, masked slots ignored."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import one_token
+from one_token import HALF_KERNELS_MISSING
+
+needs_half_kernels = pytest.mark.skipif(
+    HALF_KERNELS_MISSING is not None, reason=f"no half_kernels.cpp: {HALF_KERNELS_MISSING}"
+)
+HALF_DTYPES = [torch.bfloat16, torch.float16]
+
+
+def test_half_kernels_are_built_on_avx2_cpus():
+    """CPUs with AVX2 and no half-precision instructions decode through half_kernels.cpp; a failed build
+    would leave them on the slower kernels without failing anything else."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        pytest.skip(f"half_kernels.cpp is for AVX2 CPUs: {HALF_KERNELS_MISSING}")
+    assert HALF_KERNELS_MISSING is None, f"half_kernels.cpp did not build: {HALF_KERNELS_MISSING}"
+
+
+def within_rounding(y: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor, n_terms: int) -> bool:
+    """|y - exact| within one rounding to y's dtype plus float32's error of a sum of `n_terms` terms
+    whose magnitudes sum to `terms`."""
+    rounding = torch.finfo(y.dtype).eps / 2 * exact.abs() + torch.finfo(torch.float32).eps * n_terms * terms
+    return bool(((y.double() - exact).abs() <= rounding).all())
+
+
+@needs_half_kernels
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize(("n_in", "bias"), [(96, True), (101, False)])  # 101: not a multiple of 8 lanes
+def test_half_rows_sums_each_row_in_float32_and_rounds_once_alone_or_in_a_batch(dtype, n_in, bias):
+    """Each of 20 rows (more than one block of 8) is within one rounding of the exact product; a row
+    gets the same bits alone, in any batch, or from a non-contiguous input."""
+    torch.manual_seed(0)
+    weight = torch.randn(37, n_in).to(dtype)
+    bias_values = torch.randn(37).to(dtype) if bias else None
+    x = torch.randn(20, n_in).to(dtype)
+    y = torch.ops.kvwb.half_rows(x, weight, bias_values)
+    assert y.shape == (20, 37) and y.dtype == dtype
+    exact = x.double() @ weight.double().T + (0 if bias_values is None else bias_values.double())
+    assert within_rounding(y, exact, x.double().abs() @ weight.double().abs().T, n_in)
+    for rows in (1, 3, 8, 9):
+        assert torch.equal(torch.ops.kvwb.half_rows(x[:rows], weight, bias_values), y[:rows])
+    assert torch.equal(torch.ops.kvwb.half_rows(x.T.contiguous().T, weight, bias_values), y)
+
+
+@needs_half_kernels
+def test_half_rows_refuses_mismatched_inputs():
+    weight = torch.randn(4, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.kvwb.half_rows(torch.randn(2, 8).half(), weight, None)
+    with pytest.raises(RuntimeError, match="weight \\[N, K\\]"):
+        torch.ops.kvwb.half_rows(torch.randn(2, 7).bfloat16(), weight, None)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        torch.ops.kvwb.half_rows(torch.randn(2, 8), torch.randn(4, 8), None)
+
+
+@needs_half_kernels
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize(
+    ("batch", "heads", "group", "slots", "head_dim"),
+    [(3, 3, 3, 37, 64), (2, 2, 2, 50, 16), (1, 1, 4, 9, 128), (2, 2, 1, 3, 24)],  # dims of 8 to 128 lanes
+)
+def test_half_decode_attention_is_exact_attention_over_the_visible_slots(dtype, batch, heads, group, slots, head_dim):
+    """Within one rounding of float64 attention, per-head and shared masks alike; masked slots holding
+    NaN (stale or never written) change nothing; a sequence gets the same bits alone or in a batch."""
+    torch.manual_seed(0)
+    q = torch.randn(batch, heads, group, head_dim).to(dtype)
+    keys, values = (torch.randn(batch, heads, slots, head_dim).to(dtype) for _ in range(2))
+    for mask in (torch.rand(batch, heads, slots) > 0.3, torch.rand(batch, 1, slots) > 0.3):
+        mask[..., 0] = True
+        exact = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask.unsqueeze(2))
+        stale_keys, stale_values = keys.clone(), values.clone()
+        hidden = ~mask.expand(batch, heads, slots)
+        stale_keys[hidden], stale_values[hidden] = float("nan"), float("nan")
+        y = torch.ops.kvwb.half_decode_attention(q, stale_keys, stale_values, mask)
+        assert y.shape == q.shape and y.dtype == dtype
+        weights = torch.softmax(
+            (q.double() @ keys.double().transpose(-1, -2) / head_dim**0.5).masked_fill(~mask.unsqueeze(2), -torch.inf),
+            dim=-1,
+        )
+        assert within_rounding(y, exact, weights @ values.double().abs(), slots)
+        for b in range(batch):
+            alone = torch.ops.kvwb.half_decode_attention(
+                q[b : b + 1], stale_keys[b : b + 1], stale_values[b : b + 1], mask[b : b + 1]
+            )
+            assert torch.equal(alone, y[b : b + 1])
+
+
+@needs_half_kernels
+def test_half_decode_attention_refuses_what_it_cannot_attend():
+    q, keys = torch.randn(1, 2, 3, 16).bfloat16(), torch.randn(1, 2, 5, 16).bfloat16()
+    mask = torch.ones(1, 2, 5, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.kvwb.half_decode_attention(q[..., :12], keys[..., :12], keys[..., :12], mask)
+    with pytest.raises(RuntimeError, match="bool mask"):
+        torch.ops.kvwb.half_decode_attention(q, keys, keys, mask.float())
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.kvwb.half_decode_attention(q.half(), keys, keys, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_attention_takes_the_kernel_only_for_emulated_half_precision(dtype):
+    """one_token.decode_attention: half_kernels.cpp where half precision is emulated and it was built
+    and the head dim fits its lanes, else SDPA with the mask broadcast over the query heads."""
+    torch.manual_seed(0)
+    q, keys, values = (
+        torch.randn(2, 2, 3, 16).to(dtype),
+        torch.randn(2, 2, 7, 16).to(dtype),
+        torch.randn(2, 2, 7, 16).to(dtype),
+    )
+    mask = torch.rand(2, 2, 7) > 0.3
+    mask[..., 0] = True
+    y = one_token.decode_attention(q, keys, values, mask)
+    if one_token.matmul_dtype(q) != dtype and HALF_KERNELS_MISSING is None:
+        assert torch.equal(y, torch.ops.kvwb.half_decode_attention(q, keys, values, mask))
+    else:
+        assert torch.equal(y, F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(2)))
