@@ -12,6 +12,8 @@ C++ extension builder. Everything else goes through `linear`, which works around
 emulate half precision. Each path rounds alike eager and compiled, so compiled tokens stay eager's.
 """
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,18 +42,26 @@ def load_half_kernels() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
         return f"the kernels need AVX2, this CPU has {capability}"
-    try:
-        from torch.utils import cpp_extension
+    from torch.utils import cpp_extension
 
-        cpp_extension.load(
-            "kvwb_half_kernels",
-            [str(Path(__file__).with_name("half_kernels.cpp"))],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as error:  # no compiler, no ninja, a failed build: the slower kernels still work
-        reason = (str(error).strip() or type(error).__name__).splitlines()[0]
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        reason = f"no C++ compiler ({compiler}) on PATH"
+    elif not cpp_extension.is_ninja_available():
+        reason = "ninja is not installed"
+    else:
+        try:
+            cpp_extension.load(
+                "kvwb_half_kernels",
+                [str(Path(__file__).with_name("half_kernels.cpp"))],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
+            reason = None
+        except Exception as error:  # a failed build: the slower kernels still work
+            reason = (str(error).strip() or type(error).__name__).splitlines()[0].split(": [")[0][:200]
+    if reason is not None:
         print(f"warning: half_kernels.cpp was not built ({reason}); half-precision decode takes slower kernels; "
               "a C++ compiler (g++) and ninja build it", file=sys.stderr)  # fmt: skip
         return reason

@@ -1,6 +1,11 @@
 """half_kernels.cpp, the decode kernels of CPUs that emulate half precision: values against exact
 float64 references, a sequence's values independent of its batch, masked slots ignored."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +25,24 @@ def test_half_kernels_are_built_on_avx2_cpus():
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         pytest.skip(f"half_kernels.cpp is for AVX2 CPUs: {HALF_KERNELS_MISSING}")
     assert HALF_KERNELS_MISSING is None, f"half_kernels.cpp did not build: {HALF_KERNELS_MISSING}"
+
+
+def test_without_a_compiler_one_warning_line_and_the_slower_kernels(tmp_path):
+    """No C++ compiler on PATH (and no build cached): the import says so in one line, and decode runs."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        pytest.skip("half_kernels.cpp is only built on AVX2 CPUs")
+    env = {**os.environ, "PATH": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    env.pop("CXX", None)
+    code = (
+        "import torch, one_token; from model import Linear; print(one_token.HALF_KERNELS_MISSING); "
+        "print(tuple(Linear(16, 8).bfloat16()(torch.randn(3, 1, 16).bfloat16(), decode=True).shape))"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["no C++ compiler (c++) on PATH", "(3, 1, 8)"]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: half_kernels.cpp was not built (no C++ compiler"), lines
 
 
 def within_rounding(y: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor, n_terms: int) -> bool:
