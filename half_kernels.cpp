@@ -1,11 +1,14 @@
 // Decode-step kernels for CPUs with AVX2 but no bfloat16 or float16 arithmetic (one_token.py builds
 // and loads them there). Without half-precision instructions ATen emulates half-precision products
 // element by element, and oneDNN refuses them; an upcast copy streams twice the bytes. Both kernels
-// read the half-precision weights or cache once, widen them to float32 in registers, sum in float32
-// and round once. A sequence's values do not depend on the other sequences of its batch.
+// widen the half-precision weights or cache to float32 in registers, sum in float32 and round once.
+// A sequence's values do not depend on the other sequences of its batch, nor on how many slots the
+// batch's cache has past its own.
 //
-// half_rows: the few rows of a decode step (one per sequence) times a weight, up to 8 rows at a time.
-// half_decode_attention: one query per query head against the cache slots of its KV head.
+// half_rows: the few rows of a decode step (one per sequence) times a weight, reading the weight once
+// for up to 8 rows.
+// half_decode_attention: one query head at a time against the cache slots of its KV head (the query
+// heads sharing a KV head read its slots again, from the CPU's cache).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -97,9 +100,10 @@ at::Tensor half_rows(const at::Tensor& x, const at::Tensor& weight, const std::o
 }
 
 
-// exp of 8 floats (Cephes' polynomial, within 2 ulp); below -87.3 (2^-126) it flushes to about 1e-38.
+// exp of 8 floats x <= 0 (scores minus their maximum), Cephes' polynomial, within 2 ulp; below -87.3
+// (2^-126) it gives about 1e-38 instead of less.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447505531f));
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_setzero_ps()), _mm256_set1_ps(-87.3365447505531f));
   __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
@@ -163,32 +167,26 @@ void weigh_all_values(const float* p, const Half* v, int64_t v_slot, int64_t slo
   }
 }
 
-// Softmax over the slots of `scores` [slots] in place; masked slots hold -inf and get exactly 0.
-// Returns the sum of the unnormalized probabilities.
+// Unnormalized softmax over `scores` [slots, a multiple of 8] in place; masked slots hold -inf and
+// get exactly 0. Returns the sum. Slot s is always in lane s % 8, so more masked slots after the last
+// visible one (a longer sequence in the batch) add exact zeros and change no bit.
 inline float exponentiate(float* scores, int64_t slots) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
-  const int64_t vector_end = slots - slots % 8;
   __m256 high8 = _mm256_set1_ps(minus_inf);
-  for (int64_t s = 0; s < vector_end; s += 8) high8 = _mm256_max_ps(high8, _mm256_loadu_ps(scores + s));
+  for (int64_t s = 0; s < slots; s += 8) high8 = _mm256_max_ps(high8, _mm256_loadu_ps(scores + s));
   float high = minus_inf;
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, high8);
   for (float lane : lanes) high = std::max(high, lane);
-  for (int64_t s = vector_end; s < slots; ++s) high = std::max(high, scores[s]);
   __m256 sum8 = _mm256_setzero_ps();
-  for (int64_t s = 0; s < vector_end; s += 8) {
+  for (int64_t s = 0; s < slots; s += 8) {
     const __m256 score = _mm256_loadu_ps(scores + s);
     const __m256 masked = _mm256_cmp_ps(score, _mm256_set1_ps(minus_inf), _CMP_EQ_OQ);
     const __m256 p = _mm256_andnot_ps(masked, exp8(_mm256_sub_ps(score, _mm256_set1_ps(high))));
     _mm256_storeu_ps(scores + s, p);
     sum8 = _mm256_add_ps(sum8, p);
   }
-  float sum = horizontal_sum(sum8);
-  for (int64_t s = vector_end; s < slots; ++s) {
-    scores[s] = scores[s] == minus_inf ? 0.0f : std::exp(scores[s] - high);
-    sum += scores[s];
-  }
-  return sum;
+  return horizontal_sum(sum8);
 }
 
 template <typename Half>
@@ -202,17 +200,18 @@ void attend(const float* q, const at::Tensor& keys, const at::Tensor& values, co
   const Half* v_data = values.data_ptr<Half>();
   const bool* mask_data = mask.data_ptr<bool>();
   at::parallel_for(0, keys.size(0) * heads * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(slots);
+    const int64_t padded = (slots + 7) / 8 * 8;
+    std::vector<float> scores(padded);
     for (int64_t unit = begin; unit < end; ++unit) {  // one query head: its KV head's slots
       const int64_t b = unit / (heads * groups), h = unit / groups % heads;
       const bool* visible = mask_data + b * m_batch + h * m_head;
       score_slots(q + unit * dim, k_data + b * k_batch + h * k_head, k_slot, slots, dim, scores.data());
-      for (int64_t s = 0; s < slots; ++s)
-        if (!visible[s * m_slot]) scores[s] = -std::numeric_limits<float>::infinity();
-      const float sum = exponentiate(scores.data(), slots);
+      for (int64_t s = 0; s < padded; ++s)
+        if (s >= slots || !visible[s * m_slot]) scores[s] = -std::numeric_limits<float>::infinity();
+      const float sum = exponentiate(scores.data(), padded);
       float* out_unit = out + unit * dim;
       weigh_all_values(scores.data(), v_data + b * v_batch + h * v_head, v_slot, slots, dim, out_unit);
-      for (int64_t d = 0; d < dim; ++d) out_unit[d] /= sum;
+      for (int64_t d = 0; d < dim; ++d) out_unit[d] = sum > 0.0f ? out_unit[d] / sum : 0.0f;  // 0 if all masked
     }
   });
 }

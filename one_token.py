@@ -6,13 +6,14 @@ the kernel streams the weights. Where the CPU has bfloat16 instructions, oneDNN 
 weights in its own blocked layout faster than the plain weights, with the same values: load_model
 packs them (pack_one_token_weights) and one token of a decode step goes through the packed copy
 (KeepsPackedCopy.packed_product). Where the CPU has AVX2 but only emulates half precision, the few
-rows of a decode step (one per sequence) and its attention go through half_kernels.cpp, which
-streams the half-precision weights and cache once for all rows; it is built here, once, with torch's
-C++ extension builder. Everything else goes through `linear`, which works around CPUs that only
+rows of a decode step (one per sequence) and its attention go through half_kernels.cpp, which reads
+each half-precision weight once for all rows and widens weights and cache slots to float32 in
+registers; it is built here, once, with torch's C++ extension builder. Everything else goes through `linear`, which works around CPUs that only
 emulate half precision. Each path rounds alike eager and compiled, so compiled tokens stay eager's.
 """
 
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -36,28 +37,52 @@ ONEDNN_PACKS_BFLOAT16 = (
 )
 
 
+# One build per checkout and torch version (torch's default folder is shared by every checkout).
+HALF_KERNELS_BUILD = Path(__file__).resolve().parent / "build" / f"half_kernels-torch{torch.__version__}"
+
+
+def build_half_kernels() -> None:
+    """cpp_extension.load of half_kernels.cpp: builds it where the cached build is missing or stale.
+
+    torch guards a build with a lock file that a builder killed mid-build (a timed-out sweep job)
+    leaves behind, and then every later import waits on it forever; a flock, which the kernel
+    releases with its holder, lets one builder at a time through and clears such a leftover."""
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    HALF_KERNELS_BUILD.mkdir(parents=True, exist_ok=True)
+    with open(HALF_KERNELS_BUILD / "builder.flock", "w") as builder:
+        fcntl.flock(builder, fcntl.LOCK_EX)
+        (HALF_KERNELS_BUILD / "lock").unlink(missing_ok=True)
+        cpp_extension.load(
+            "kvwb_half_kernels",
+            [str(Path(__file__).with_name("half_kernels.cpp"))],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(HALF_KERNELS_BUILD),
+            is_python_module=False,
+        )
+
+
 def load_half_kernels() -> str | None:
-    """Builds half_kernels.cpp (torch keeps the build, so only the first import compiles) and registers
-    torch.ops.kvwb.half_rows and half_decode_attention; returns why they are not there instead."""
+    """Builds half_kernels.cpp (only the first import compiles) and registers torch.ops.kvwb.half_rows
+    and half_decode_attention; returns why they are not there instead."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
         return f"the kernels need AVX2, this CPU has {capability}"
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX", "c++")
+    # ninja from the requirements sits beside this Python, on PATH only where its environment is active
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    compiler = (shlex.split(os.environ.get("CXX", "")) or ["c++"])[0]
     if shutil.which(compiler) is None:
         reason = f"no C++ compiler ({compiler}) on PATH"
     elif not cpp_extension.is_ninja_available():
         reason = "ninja is not installed"
     else:
         try:
-            cpp_extension.load(
-                "kvwb_half_kernels",
-                [str(Path(__file__).with_name("half_kernels.cpp"))],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-            )
+            build_half_kernels()
             reason = None
         except Exception as error:  # a failed build: the slower kernels still work
             reason = (str(error).strip() or type(error).__name__).splitlines()[0].split(": [")[0][:200]
@@ -97,7 +122,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     on_cpu = x.device.type == "cpu"
     compiling = torch.compiler.is_compiling()
     work = matmul_dtype(x)
-    if work != x.dtype and HALF_KERNELS_MISSING is None and rows <= HALF_ROWS_MAX:
+    if work != x.dtype and HALF_KERNELS_MISSING is None and 0 < rows <= HALF_ROWS_MAX:
         return torch.ops.kvwb.half_rows(x.reshape(rows, -1), weight, bias).view(*x.shape[:-1], -1)
     if work != x.dtype and rows >= FLOAT32_GEMM_MIN_ROWS:
         upcast_bias = None if bias is None else bias.to(work)

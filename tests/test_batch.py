@@ -17,6 +17,7 @@ import strategies
 from cache_args import check_compatibility, default_cache_kwargs
 from generate import PROMPT_DIR
 from generation import DEFAULT_CHECKPOINT, load_model
+from one_token import HALF_KERNELS_MISSING
 from tokenizer import get_tokenizer
 
 ROOT = PROMPT_DIR.parent
@@ -74,6 +75,16 @@ def test_each_prompt_of_a_batch_decodes_as_it_does_alone(name, tiny):
     assert_same(alone, batched)
     if not strategies.strategy_class(name).spans_sequence:
         assert max(s["compression_ratio"] for _, s in alone) > 0.5  # the rows did compress
+
+
+@pytest.mark.skipif(HALF_KERNELS_MISSING is not None, reason=f"no half_kernels.cpp: {HALF_KERNELS_MISSING}")
+@pytest.mark.parametrize("name", strategies.strategy_names())
+def test_a_bfloat16_batch_decodes_as_alone_through_the_half_kernels(name):
+    """Where half precision is emulated, a decode step's projections and attention do not depend on the
+    other sequences of the batch, nor on the batch cache's slots past a sequence's own."""
+    model = tiny_transformer(seed=0, dtype=torch.bfloat16)
+    prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
+    assert_same(*alone_and_batched(model, compressing_kwargs(name), prompts))
 
 
 def test_a_sequence_that_ends_stops_alone_while_the_others_run(tiny):

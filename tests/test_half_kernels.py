@@ -9,14 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_prompt, tiny_transformer
 
+import generation
 import one_token
+from cache_args import default_cache_kwargs
 from one_token import HALF_KERNELS_MISSING
 
 needs_half_kernels = pytest.mark.skipif(
     HALF_KERNELS_MISSING is not None, reason=f"no half_kernels.cpp: {HALF_KERNELS_MISSING}"
 )
 HALF_DTYPES = [torch.bfloat16, torch.float16]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_half_kernels_are_built_on_avx2_cpus():
@@ -28,21 +32,31 @@ def test_half_kernels_are_built_on_avx2_cpus():
 
 
 def test_without_a_compiler_one_warning_line_and_the_slower_kernels(tmp_path):
-    """No C++ compiler on PATH (and no build cached): the import says so in one line, and decode runs."""
+    """No C++ compiler on PATH: the import says so in one line, and decode runs."""
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         pytest.skip("half_kernels.cpp is only built on AVX2 CPUs")
-    env = {**os.environ, "PATH": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    env = {**os.environ, "PATH": str(tmp_path)}
     env.pop("CXX", None)
     code = (
         "import torch, one_token; from model import Linear; print(one_token.HALF_KERNELS_MISSING); "
         "print(tuple(Linear(16, 8).bfloat16()(torch.randn(3, 1, 16).bfloat16(), decode=True).shape))"
     )
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["no C++ compiler (c++) on PATH", "(3, 1, 8)"]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: half_kernels.cpp was not built (no C++ compiler"), lines
+
+
+@needs_half_kernels
+def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_import():
+    """torch's lock file, left behind by a builder killed mid-build (a timed-out sweep job), would make
+    every later import wait forever."""
+    (one_token.HALF_KERNELS_BUILD / "lock").touch()
+    code = "import one_token; print(one_token.HALF_KERNELS_MISSING)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
+    assert not (one_token.HALF_KERNELS_BUILD / "lock").exists()
 
 
 def within_rounding(y: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor, n_terms: int) -> bool:
@@ -59,11 +73,11 @@ def test_half_rows_sums_each_row_in_float32_and_rounds_once_alone_or_in_a_batch(
     """Each of 20 rows (more than one block of 8) is within one rounding of the exact product; a row
     gets the same bits alone, in any batch, or from a non-contiguous input."""
     torch.manual_seed(0)
-    weight = torch.randn(37, n_in).to(dtype)
-    bias_values = torch.randn(37).to(dtype) if bias else None
+    weight = torch.randn(130, n_in).to(dtype)  # 130 outputs: more than one thread's share
+    bias_values = torch.randn(130).to(dtype) if bias else None
     x = torch.randn(20, n_in).to(dtype)
     y = torch.ops.kvwb.half_rows(x, weight, bias_values)
-    assert y.shape == (20, 37) and y.dtype == dtype
+    assert y.shape == (20, 130) and y.dtype == dtype
     exact = x.double() @ weight.double().T + (0 if bias_values is None else bias_values.double())
     assert within_rounding(y, exact, x.double().abs() @ weight.double().abs().T, n_in)
     for rows in (1, 3, 8, 9):
@@ -112,6 +126,17 @@ def test_half_decode_attention_is_exact_attention_over_the_visible_slots(dtype, 
                 q[b : b + 1], stale_keys[b : b + 1], stale_values[b : b + 1], mask[b : b + 1]
             )
             assert torch.equal(alone, y[b : b + 1])
+        more = 13  # a batch's cache has the slots of its longest sequence: masked ones after these
+        padded_keys, padded_values = (F.pad(t, (0, 0, 0, more), value=float("nan")) for t in (stale_keys, stale_values))
+        padded = torch.ops.kvwb.half_decode_attention(q, padded_keys, padded_values, F.pad(mask, (0, more)))
+        assert torch.equal(padded, y)
+
+
+@needs_half_kernels
+def test_half_decode_attention_of_no_visible_slot_is_zero():
+    q, keys = torch.randn(1, 2, 3, 16).bfloat16(), torch.randn(1, 2, 5, 16).bfloat16()
+    y = torch.ops.kvwb.half_decode_attention(q, keys, keys, torch.zeros(1, 2, 5, dtype=torch.bool))
+    assert torch.equal(y, torch.zeros_like(q))
 
 
 @needs_half_kernels
@@ -126,20 +151,28 @@ def test_half_decode_attention_refuses_what_it_cannot_attend():
         torch.ops.kvwb.half_decode_attention(q.half(), keys, keys, mask)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_attention_takes_the_kernel_only_for_emulated_half_precision(dtype):
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 16), (torch.bfloat16, 12), (torch.float32, 16)])
+def test_decode_attention_takes_the_kernel_only_for_emulated_half_precision(dtype, head_dim):
     """one_token.decode_attention: half_kernels.cpp where half precision is emulated and it was built
-    and the head dim fits its lanes, else SDPA with the mask broadcast over the query heads."""
+    and the head dim fills its lanes, else SDPA with the mask broadcast over the query heads."""
     torch.manual_seed(0)
-    q, keys, values = (
-        torch.randn(2, 2, 3, 16).to(dtype),
-        torch.randn(2, 2, 7, 16).to(dtype),
-        torch.randn(2, 2, 7, 16).to(dtype),
-    )
+    q = torch.randn(2, 2, 3, head_dim).to(dtype)
+    keys, values = torch.randn(2, 2, 7, head_dim).to(dtype), torch.randn(2, 2, 7, head_dim).to(dtype)
     mask = torch.rand(2, 2, 7) > 0.3
     mask[..., 0] = True
     y = one_token.decode_attention(q, keys, values, mask)
-    if one_token.matmul_dtype(q) != dtype and HALF_KERNELS_MISSING is None:
+    if one_token.matmul_dtype(q) != dtype and HALF_KERNELS_MISSING is None and head_dim % 8 == 0:
         assert torch.equal(y, torch.ops.kvwb.half_decode_attention(q, keys, values, mask))
     else:
         assert torch.equal(y, F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(2)))
+
+
+@needs_half_kernels
+def test_a_bfloat16_model_decodes_through_both_kernels():
+    """The model's decode steps call the kernels (a profile of the tiny model's generation), so a
+    change in model.py that bypasses them fails here."""
+    model = tiny_transformer(seed=0, dtype=torch.bfloat16)
+    with torch.profiler.profile() as profile:
+        generation.generate(model, tiny_prompt(80), 3, default_cache_kwargs())
+    names = {event.name for event in profile.events()}
+    assert {"kvwb::half_rows", "kvwb::half_decode_attention"} <= names
