@@ -7,8 +7,8 @@
 //
 // half_rows: the few rows of a decode step (one per sequence) times a weight, reading the weight once
 // for up to 8 rows.
-// half_decode_attention: one query head at a time against the cache slots of its KV head (the query
-// heads sharing a KV head read its slots again, from the CPU's cache).
+// half_decode_attention: the query heads that share a KV head (up to 3 at a time) against its cache
+// slots, each slot widened once for all of them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,11 +20,13 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // float32 accumulators held in registers, one per input row
+constexpr int64_t kRowsInL1Bytes = 24 * 1024;  // of the 32 KiB L1 data cache, for the rows of x
 
 inline __m256 widen8(const at::BFloat16* p) {
   __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -42,43 +44,65 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// y[m, n] = x[m, :] . w[n, :] for ROWS rows of x and the weight rows [n0, n1).
-template <int ROWS, typename Half>
-void multiply_rows(const float* x, const Half* w, float* y, int64_t k_size, int64_t n_size, int64_t n0, int64_t n1) {
+// Calls f(std::integral_constant<int, count>{}) for a runtime count in [1, N], so that loops over
+// count unroll with their accumulators in registers.
+template <int N, typename F>
+inline void dispatch_up_to(int64_t count, F&& f) {
+  if constexpr (N > 1) {
+    if (count < N) return dispatch_up_to<N - 1>(count, f);
+  }
+  f(std::integral_constant<int, N>{});
+}
+
+// y[m, n] = x[m, :] . w[n, :] for the ROWS rows of x and the WEIGHTS weight rows from n, each sum in
+// k order, 8 lanes then the tail, whatever the tile.
+template <int WEIGHTS, int ROWS, typename Half>
+inline void multiply_tile(const float* x, const Half* w, float* y, int64_t k_size, int64_t n_size, int64_t n) {
   const int64_t vector_end = k_size - k_size % 8;
-  for (int64_t n = n0; n < n1; ++n) {
-    const Half* w_row = w + n * k_size;
-    __m256 acc[ROWS];
-    for (int m = 0; m < ROWS; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < vector_end; k += 8) {
-      const __m256 w8 = widen8(w_row + k);
-      for (int m = 0; m < ROWS; ++m) acc[m] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(x + m * k_size + k), acc[m]);
-    }
+  __m256 acc[WEIGHTS][ROWS];
+#pragma GCC unroll 8
+  for (int i = 0; i < WEIGHTS; ++i)
+#pragma GCC unroll 8
+    for (int m = 0; m < ROWS; ++m) acc[i][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < vector_end; k += 8) {
+    __m256 w8[WEIGHTS];
+#pragma GCC unroll 8
+    for (int i = 0; i < WEIGHTS; ++i) w8[i] = widen8(w + (n + i) * k_size + k);
+#pragma GCC unroll 8
     for (int m = 0; m < ROWS; ++m) {
-      float sum = horizontal_sum(acc[m]);
+      const __m256 x8 = _mm256_loadu_ps(x + m * k_size + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < WEIGHTS; ++i) acc[i][m] = _mm256_fmadd_ps(w8[i], x8, acc[i][m]);
+    }
+  }
+  for (int i = 0; i < WEIGHTS; ++i) {
+    const Half* w_row = w + (n + i) * k_size;
+    for (int m = 0; m < ROWS; ++m) {
+      float sum = horizontal_sum(acc[i][m]);
       for (int64_t k = vector_end; k < k_size; ++k) sum += static_cast<float>(w_row[k]) * x[m * k_size + k];
-      y[m * n_size + n] = sum;
+      y[m * n_size + n + i] = sum;
     }
   }
 }
 
+// One weight row at a time against up to 8 rows of x while those rows fit the CPU's L1 cache; longer
+// rows go 4 at a time against 3 weight rows, so that the rows of x are read from L1.
 template <typename Half>
 void multiply(const float* x, const Half* w, float* y, int64_t rows, int64_t k_size, int64_t n_size) {
+  const bool long_rows = rows > 4 && rows * k_size * static_cast<int64_t>(sizeof(float)) > kRowsInL1Bytes;
+  const int64_t tile_rows = long_rows ? 4 : kMaxRows;
   at::parallel_for(0, n_size, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-      const float* xm = x + m0 * k_size;
-      float* ym = y + m0 * n_size;
-      switch (std::min(kMaxRows, rows - m0)) {
-        case 8: multiply_rows<8>(xm, w, ym, k_size, n_size, n0, n1); break;
-        case 7: multiply_rows<7>(xm, w, ym, k_size, n_size, n0, n1); break;
-        case 6: multiply_rows<6>(xm, w, ym, k_size, n_size, n0, n1); break;
-        case 5: multiply_rows<5>(xm, w, ym, k_size, n_size, n0, n1); break;
-        case 4: multiply_rows<4>(xm, w, ym, k_size, n_size, n0, n1); break;
-        case 3: multiply_rows<3>(xm, w, ym, k_size, n_size, n0, n1); break;
-        case 2: multiply_rows<2>(xm, w, ym, k_size, n_size, n0, n1); break;
-        default: multiply_rows<1>(xm, w, ym, k_size, n_size, n0, n1);
-      }
-    }
+    int64_t n = n0;
+    for (; long_rows && n + 3 <= n1; n += 3)
+      for (int64_t m0 = 0; m0 < rows; m0 += tile_rows)
+        dispatch_up_to<4>(std::min(tile_rows, rows - m0), [&](auto r) {
+          multiply_tile<3, decltype(r)::value>(x + m0 * k_size, w, y + m0 * n_size, k_size, n_size, n);
+        });
+    for (; n < n1; ++n)
+      for (int64_t m0 = 0; m0 < rows; m0 += tile_rows)
+        dispatch_up_to<kMaxRows>(std::min(tile_rows, rows - m0), [&](auto r) {
+          multiply_tile<1, decltype(r)::value>(x + m0 * k_size, w, y + m0 * n_size, k_size, n_size, n);
+        });
   });
 }
 
@@ -118,53 +142,70 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
-// scores[s] = q . k[s] for the slots [0, slots) of one KV head, 4 slots at a time (4 independent sums).
-template <typename Half>
-void score_slots(const float* q, const Half* k, int64_t k_slot, int64_t slots, int64_t dim, float* scores) {
+// scores[g, s] = q[g] . k[s] for the HEADS query heads g of one KV head and its slots [0, slots), each
+// slot widened once for all of them; 4 slots at a time.
+template <int HEADS, typename Half>
+void score_slots(const float* q, const Half* k, int64_t k_slot, int64_t slots, int64_t dim, float* scores,
+                 int64_t scores_stride) {
   int64_t s = 0;
   for (; s + 4 <= slots; s += 4) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[HEADS][4];
+#pragma GCC unroll 8
+    for (int g = 0; g < HEADS; ++g)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8) {
-      const __m256 q8 = _mm256_loadu_ps(q + d);
-      for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(q8, widen8(k + (s + j) * k_slot + d), acc[j]);
+      __m256 q8[HEADS];
+#pragma GCC unroll 8
+      for (int g = 0; g < HEADS; ++g) q8[g] = _mm256_loadu_ps(q + g * dim + d);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 k8 = widen8(k + (s + j) * k_slot + d);
+#pragma GCC unroll 8
+        for (int g = 0; g < HEADS; ++g) acc[g][j] = _mm256_fmadd_ps(q8[g], k8, acc[g][j]);
+      }
     }
-    for (int j = 0; j < 4; ++j) scores[s + j] = horizontal_sum(acc[j]);
+    for (int g = 0; g < HEADS; ++g)
+      for (int j = 0; j < 4; ++j) scores[g * scores_stride + s + j] = horizontal_sum(acc[g][j]);
   }
   for (; s < slots; ++s) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), widen8(k + s * k_slot + d), acc);
-    scores[s] = horizontal_sum(acc);
+    __m256 acc[HEADS];
+#pragma GCC unroll 8
+    for (int g = 0; g < HEADS; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256 k8 = widen8(k + s * k_slot + d);
+#pragma GCC unroll 8
+      for (int g = 0; g < HEADS; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), k8, acc[g]);
+    }
+    for (int g = 0; g < HEADS; ++g) scores[g * scores_stride + s] = horizontal_sum(acc[g]);
   }
 }
 
-// out[d] = sum over slots of p[s] * v[s, d] for VECTORS * 8 dims from `first`, in registers.
-template <int VECTORS, typename Half>
-void weigh_values(const float* p, const Half* v, int64_t v_slot, int64_t slots, int64_t first, float* out) {
-  __m256 acc[VECTORS];
-  for (int i = 0; i < VECTORS; ++i) acc[i] = _mm256_setzero_ps();
+// out[g, d] = sum over visible slots of p[g, s] * v[s, d], for the HEADS query heads g and VECTORS * 8
+// dims from `first`, in registers; each slot widened once for all heads.
+template <int HEADS, int VECTORS, typename Half>
+void weigh_values(const float* p, int64_t p_stride, const bool* visible, int64_t m_slot, const Half* v,
+                  int64_t v_slot, int64_t slots, int64_t dim, int64_t first, float* out) {
+  __m256 acc[HEADS][VECTORS];
+#pragma GCC unroll 8
+  for (int g = 0; g < HEADS; ++g)
+#pragma GCC unroll 4
+    for (int i = 0; i < VECTORS; ++i) acc[g][i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < slots; ++s) {
-    if (p[s] == 0.0f) continue;  // a masked slot, whatever its stale values
-    const __m256 p8 = _mm256_set1_ps(p[s]);
+    if (!visible[s * m_slot]) continue;  // whatever its stale values
+    __m256 p8[HEADS];
+#pragma GCC unroll 8
+    for (int g = 0; g < HEADS; ++g) p8[g] = _mm256_set1_ps(p[g * p_stride + s]);
     const Half* row = v + s * v_slot + first;
-    for (int i = 0; i < VECTORS; ++i) acc[i] = _mm256_fmadd_ps(p8, widen8(row + 8 * i), acc[i]);
-  }
-  for (int i = 0; i < VECTORS; ++i) _mm256_storeu_ps(out + first + 8 * i, acc[i]);
-}
-
-template <typename Half>
-void weigh_all_values(const float* p, const Half* v, int64_t v_slot, int64_t slots, int64_t dim, float* out) {
-  for (int64_t first = 0; first < dim; first += 64) {
-    switch (std::min<int64_t>(8, (dim - first) / 8)) {
-      case 8: weigh_values<8>(p, v, v_slot, slots, first, out); break;
-      case 7: weigh_values<7>(p, v, v_slot, slots, first, out); break;
-      case 6: weigh_values<6>(p, v, v_slot, slots, first, out); break;
-      case 5: weigh_values<5>(p, v, v_slot, slots, first, out); break;
-      case 4: weigh_values<4>(p, v, v_slot, slots, first, out); break;
-      case 3: weigh_values<3>(p, v, v_slot, slots, first, out); break;
-      case 2: weigh_values<2>(p, v, v_slot, slots, first, out); break;
-      default: weigh_values<1>(p, v, v_slot, slots, first, out);
+#pragma GCC unroll 4
+    for (int i = 0; i < VECTORS; ++i) {
+      const __m256 v8 = widen8(row + 8 * i);
+#pragma GCC unroll 8
+      for (int g = 0; g < HEADS; ++g) acc[g][i] = _mm256_fmadd_ps(p8[g], v8, acc[g][i]);
     }
   }
+  for (int g = 0; g < HEADS; ++g)
+    for (int i = 0; i < VECTORS; ++i) _mm256_storeu_ps(out + g * dim + first + 8 * i, acc[g][i]);
 }
 
 // Unnormalized softmax over `scores` [slots, a multiple of 8] in place; masked slots hold -inf and
@@ -189,6 +230,8 @@ inline float exponentiate(float* scores, int64_t slots) {
   return horizontal_sum(sum8);
 }
 
+constexpr int64_t kHeadsAtOnce = 3;  // query heads per pass over a KV head's slots: 12 of 16 registers accumulate
+
 template <typename Half>
 void attend(const float* q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& mask, float* out,
             int64_t groups) {
@@ -199,19 +242,38 @@ void attend(const float* q, const at::Tensor& keys, const at::Tensor& values, co
   const Half* k_data = keys.data_ptr<Half>();
   const Half* v_data = values.data_ptr<Half>();
   const bool* mask_data = mask.data_ptr<bool>();
-  at::parallel_for(0, keys.size(0) * heads * groups, 1, [&](int64_t begin, int64_t end) {
+  const int64_t passes = (groups + kHeadsAtOnce - 1) / kHeadsAtOnce;
+  at::parallel_for(0, keys.size(0) * heads * passes, 1, [&](int64_t begin, int64_t end) {
     const int64_t padded = (slots + 7) / 8 * 8;
-    std::vector<float> scores(padded);
-    for (int64_t unit = begin; unit < end; ++unit) {  // one query head: its KV head's slots
-      const int64_t b = unit / (heads * groups), h = unit / groups % heads;
+    std::vector<float> scores(kHeadsAtOnce * padded);
+    for (int64_t unit = begin; unit < end; ++unit) {  // up to kHeadsAtOnce query heads of one KV head
+      const int64_t b = unit / (heads * passes), h = unit / passes % heads;
+      const int64_t first_head = (b * heads + h) * groups + unit % passes * kHeadsAtOnce;
+      const int64_t n_heads = std::min(kHeadsAtOnce, (b * heads + h + 1) * groups - first_head);
       const bool* visible = mask_data + b * m_batch + h * m_head;
-      score_slots(q + unit * dim, k_data + b * k_batch + h * k_head, k_slot, slots, dim, scores.data());
-      for (int64_t s = 0; s < padded; ++s)
-        if (s >= slots || !visible[s * m_slot]) scores[s] = -std::numeric_limits<float>::infinity();
-      const float sum = exponentiate(scores.data(), padded);
-      float* out_unit = out + unit * dim;
-      weigh_all_values(scores.data(), v_data + b * v_batch + h * v_head, v_slot, slots, dim, out_unit);
-      for (int64_t d = 0; d < dim; ++d) out_unit[d] = sum > 0.0f ? out_unit[d] / sum : 0.0f;  // 0 if all masked
+      const Half* k_unit = k_data + b * k_batch + h * k_head;
+      const Half* v_unit = v_data + b * v_batch + h * v_head;
+      const float* q_unit = q + first_head * dim;
+      float* out_unit = out + first_head * dim;
+      dispatch_up_to<kHeadsAtOnce>(n_heads, [&](auto n) {
+        constexpr int kHeads = decltype(n)::value;
+        score_slots<kHeads>(q_unit, k_unit, k_slot, slots, dim, scores.data(), padded);
+        float sums[kHeads];
+        for (int g = 0; g < kHeads; ++g) {
+          float* row = scores.data() + g * padded;
+          for (int64_t s = 0; s < padded; ++s)
+            if (s >= slots || !visible[s * m_slot]) row[s] = -std::numeric_limits<float>::infinity();
+          sums[g] = exponentiate(row, padded);
+        }
+        for (int64_t first = 0; first < dim; first += 32)
+          dispatch_up_to<4>(std::min<int64_t>(4, (dim - first) / 8), [&](auto v) {
+            weigh_values<kHeads, decltype(v)::value>(scores.data(), padded, visible, m_slot, v_unit, v_slot, slots,
+                                                     dim, first, out_unit);
+          });
+        for (int g = 0; g < kHeads; ++g)
+          for (int64_t d = 0; d < dim; ++d)
+            out_unit[g * dim + d] = sums[g] > 0.0f ? out_unit[g * dim + d] / sums[g] : 0.0f;  // 0 if all masked
+      });
     }
   });
 }
