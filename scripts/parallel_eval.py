@@ -349,11 +349,17 @@ def describe_exit(result: dict) -> tuple[str, str]:
 
 
 class LocalBackend:
-    """Worker threads that each wait on one job subprocess; a GPU per worker when GPUs exist."""
+    """Worker threads that each wait on one job subprocess; a GPU per worker when GPUs exist, else an
+    equal share of the CPUs: torch takes every CPU in each job, and jobs side by side that each run
+    that many threads on fewer CPUs wait on each other's threads (several times slower than alone).
+    OMP_NUM_THREADS set by the user wins."""
 
     def __init__(self, num_workers: int | None, timeout: float | None):
         gpus = visible_gpus()
         self.capacity = num_workers or max(1, len(gpus))
+        self.threads = None
+        if not gpus and "OMP_NUM_THREADS" not in os.environ:
+            self.threads = max(1, usable_cpus() // self.capacity)
         self.timeout = timeout
         self.pool = concurrent.futures.ThreadPoolExecutor(self.capacity)
         self.free_gpus = gpus
@@ -361,6 +367,8 @@ class LocalBackend:
         self.active: dict[int, subprocess.Popen] = {}
         self.verb = "start"
         self.where = f"{self.capacity} local worker(s)" + (f", {len(gpus)} GPU(s)" if gpus else ", CPU")
+        if self.threads:
+            self.where += f", {self.threads} thread(s) each"
 
     def submit(self, job: Job) -> concurrent.futures.Future:
         return self.pool.submit(self._run, job)
@@ -373,6 +381,8 @@ class LocalBackend:
         env = dict(job.env)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
+        elif self.threads:
+            env.setdefault("OMP_NUM_THREADS", str(self.threads))
         try:
             return run_command(job.argv, job.shell, job.log, os.getcwd(), env, self.timeout, self.active)
         finally:
@@ -424,6 +434,13 @@ class RayBackend:
 
     def close(self) -> None:
         self.ray.shutdown()
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def visible_gpus() -> list[str]:

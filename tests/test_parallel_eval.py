@@ -165,6 +165,31 @@ def test_failed_and_killed_jobs_are_reported_and_do_not_stop_the_others(tmp_path
     assert log_lines.count("about to fail") == 2 and len([s for s in log_lines if s.startswith("=== ")]) == 2
 
 
+def test_local_cpu_jobs_share_the_cpus_unless_the_user_set_the_threads(tmp_path):
+    """Jobs side by side on CPU each get their share of the CPUs as torch's thread count (each taking
+    every CPU made them wait on each other's threads); OMP_NUM_THREADS set by the user is kept."""
+    commands = tmp_path / "commands.txt"
+    line = "python -c \"import os, torch; print(f'threads={{torch.get_num_threads()}} {}', os.environ['OMP_NUM_THREADS'])\"\n"
+    commands.write_text(line.format("job 1") + line.format("job 2"))
+    cpus = len(os.sched_getaffinity(0))
+
+    def job_threads(out: Path, *env_args: str) -> list[str]:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="-1")
+        env.pop("OMP_NUM_THREADS", None)
+        env.update(arg.split("=", 1) for arg in env_args)
+        result = subprocess.run(
+            [sys.executable, str(RUNNER), "--command_file", str(commands), "--num_workers", "2", "--out_dir", str(out)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        logs = sorted((out / "logs").glob("*.log"))
+        return [line for log in logs for line in log.read_text().splitlines() if line.startswith("threads=")]
+
+    share = max(1, cpus // 2)
+    assert job_threads(tmp_path / "shared") == [f"threads={share} job 1 {share}", f"threads={share} job 2 {share}"]
+    assert [line.split()[-1] for line in job_threads(tmp_path / "user", "OMP_NUM_THREADS=3")] == ["3", "3"]
+
+
 # ---- a real sweep on Ray vs one after another ------------------------------------------------
 
 
