@@ -17,10 +17,11 @@ STRATEGIES=${STRATEGIES:-$(registry compressing)}
 BUDGETS=${BUDGETS:-"0.1 0.25 0.5"}
 TASKS=${TASKS:-"rulerniah rulervt"}
 
-for strategy in $STRATEGIES; do
+PAIRS=$(with_compressors $STRATEGIES)
+while read -r strategy compressor; do
     for budget in $BUDGETS; do
-        run_eval --cache_strategy "debug_$strategy" --prompt_compression_strategy "$(registry compressor "$strategy")" \
+        run_eval --cache_strategy "debug_$strategy" --prompt_compression_strategy "$compressor" \
             --max_cache_length "$budget" --global_tokens 4 --recent_window 10 --tasks $TASKS
     done
-done
+done <<<"$PAIRS"
 sweep_done

@@ -20,8 +20,8 @@ LAYOUTS=${LAYOUTS:-"repeat tile"}
 BUDGETS=${BUDGETS:-"0.1 0.25 0.5"}
 TASKS=${TASKS:-"rulerniah rulervt rulercwe rulerqa"}
 
-for local in $LOCAL_STRATEGIES; do
-    compressor=$(registry compressor "$local")
+PAIRS=$(with_compressors $LOCAL_STRATEGIES)
+while read -r local compressor; do
     for layout in $LAYOUTS; do
         for budget in $BUDGETS; do
             run_eval --cache_strategy "$GLOBAL_STRATEGY" "$local" --prompt_compression_strategy "$GLOBAL_COMPRESSOR" "$compressor" \
@@ -29,5 +29,5 @@ for local in $LOCAL_STRATEGIES; do
                 --global_tokens 4 --recent_window 10 --tasks $TASKS
         done
     done
-done
+done <<<"$PAIRS"
 sweep_done
