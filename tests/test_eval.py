@@ -383,12 +383,12 @@ SWEEP = [("full", None)] + [(s, b) for s in ("recent_global", "l2", "heavy_hitte
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, smollm2_checkpoint):
-    """rulerniah @1000 tokens, 4 samples, for each (strategy, budget); the prompt compressor matches
+    """rulerniah @1000 tokens, 2 samples, for each (strategy, budget); the prompt compressor matches
     the strategy (heavy_hitter -> SnapKV), so the strategy decides which prompt tokens are kept."""
     out = tmp_path_factory.mktemp("sweep")
     results = {}
     for strategy, budget in SWEEP:
-        argv = ["--tasks", "rulerniah", "--seq_length", "1000", "--num_samples", "4", "--max_new_tokens", "16"]
+        argv = ["--tasks", "rulerniah", "--seq_length", "1000", "--num_samples", "2", "--max_new_tokens", "16"]
         argv += ["--checkpoint_path", str(smollm2_checkpoint), "--out_dir", str(out), "--cache_strategy", strategy]
         if budget is not None:
             argv += ["--max_cache_length", str(budget), "--prompt_compression_strategy", strategy]
