@@ -166,9 +166,10 @@ def compile_steps(model_fns: dict, device: torch.device) -> dict:
     bfloat16 kernels round where eager rounds; the matmuls stay ATen's or the packed copies' oneDNN
     products (no max-autotune, no weight prepacking by inductor); ATen's one-token GEMM sums in
     torch.mv's order, where an autotuned micro-GEMM or a prepacked product with a fused SiLU would
-    round differently and tokens would drift where logits nearly tie. Decode freezes the weights into the graph (cache buffers stay
-    mutable), so compiled steps serve one model; on CPU it calls its kernels from generated C++
-    (cpp_wrapper). CUDA graphs stay off because the step's inputs are fresh tensors each call.
+    round differently and tokens would drift where logits nearly tie. Decode freezes the weights into
+    the graph (cache buffers stay mutable), so compiled steps serve one model; on CPU it calls its
+    kernels from generated C++ (cpp_wrapper). CUDA graphs stay off because the step's inputs are fresh
+    tensors each call.
     Prefill does not freeze: inductor would prepack and fuse its projections, or fold the float32
     upcast of every weight into constants.
     """

@@ -8,8 +8,9 @@ packs them (pack_one_token_weights) and one token of a decode step goes through 
 (KeepsPackedCopy.packed_product). Where the CPU has AVX2 but only emulates half precision, the few
 rows of a decode step (one per sequence) and its attention go through half_kernels.cpp, which reads
 each half-precision weight once for all rows and widens weights and cache slots to float32 in
-registers; it is built here, once, with torch's C++ extension builder. Everything else goes through `linear`, which works around CPUs that only
-emulate half precision. Each path rounds alike eager and compiled, so compiled tokens stay eager's.
+registers; it is built here, once, with torch's C++ extension builder. Everything else goes through
+`linear`, which works around CPUs that only emulate half precision. Each path rounds alike eager and
+compiled, so compiled tokens stay eager's.
 """
 
 import os
