@@ -349,16 +349,16 @@ def describe_exit(result: dict) -> tuple[str, str]:
 
 
 class LocalBackend:
-    """Worker threads that each wait on one job subprocess; a GPU per worker when GPUs exist, else an
-    equal share of the CPUs: torch takes every CPU in each job, and jobs side by side that each run
-    that many threads on fewer CPUs wait on each other's threads (several times slower than alone).
-    OMP_NUM_THREADS set by the user wins."""
+    """Worker threads that each wait on one job subprocess; a GPU per worker when GPUs exist, else (with
+    several workers) an equal share of the CPUs: torch takes every core in each job, and jobs side by
+    side that each run that many threads wait on each other's threads (several times slower than
+    alone). OMP_NUM_THREADS set by the user wins."""
 
     def __init__(self, num_workers: int | None, timeout: float | None):
         gpus = visible_gpus()
         self.capacity = num_workers or max(1, len(gpus))
         self.threads = None
-        if not gpus and "OMP_NUM_THREADS" not in os.environ:
+        if not gpus and self.capacity > 1 and "OMP_NUM_THREADS" not in os.environ:
             self.threads = max(1, usable_cpus() // self.capacity)
         self.timeout = timeout
         self.pool = concurrent.futures.ThreadPoolExecutor(self.capacity)

@@ -18,10 +18,11 @@ BUDGETS=${BUDGETS:-"0.1 0.25 0.5"}
 TASKS=${TASKS:-"rulerniah rulervt"}
 
 PAIRS=$(with_compressors $STRATEGIES)
-while read -r strategy compressor; do
+for pair in $PAIRS; do
+    strategy=${pair%%:*} compressor=${pair#*:}
     for budget in $BUDGETS; do
         run_eval --cache_strategy "debug_$strategy" --prompt_compression_strategy "$compressor" \
             --max_cache_length "$budget" --global_tokens 4 --recent_window 10 --tasks $TASKS
     done
-done <<<"$PAIRS"
+done
 sweep_done

@@ -34,7 +34,7 @@ run_eval() {
         return 0
     fi
     echo ">> ${cmd[*]}" >&2
-    "${cmd[@]}" </dev/null || {
+    "${cmd[@]}" || {
         echo "!! failed (exit $?): ${cmd[*]}" >&2
         SWEEP_FAILED=$((SWEEP_FAILED + 1))
     }
@@ -45,12 +45,13 @@ registry() {
     (cd "$SWEEP_ROOT" && "$PYTHON" -m strategies "$@")
 }
 
-# with_compressors NAME...: "NAME COMPRESSOR" per line, each strategy with its natural prompt
-# compressor, from one registry call (each call imports torch: seconds).
+# with_compressors NAME...: "NAME:COMPRESSOR" for each strategy, with its natural prompt compressor,
+# from one registry call (each call imports torch: seconds).
 with_compressors() {
+    (($#)) || return 0
     local compressors
     compressors=$(registry compressor "$@") || return
-    paste -d ' ' <(printf '%s\n' "$@") <(printf '%s\n' "$compressors")
+    paste -d : <(printf '%s\n' "$@") <(printf '%s\n' "$compressors")
 }
 
 # sweep_done: exit 1 when any run failed.

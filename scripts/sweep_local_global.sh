@@ -21,7 +21,8 @@ BUDGETS=${BUDGETS:-"0.1 0.25 0.5"}
 TASKS=${TASKS:-"rulerniah rulervt rulercwe rulerqa"}
 
 PAIRS=$(with_compressors $LOCAL_STRATEGIES)
-while read -r local compressor; do
+for pair in $PAIRS; do
+    local=${pair%%:*} compressor=${pair#*:}
     for layout in $LAYOUTS; do
         for budget in $BUDGETS; do
             run_eval --cache_strategy "$GLOBAL_STRATEGY" "$local" --prompt_compression_strategy "$GLOBAL_COMPRESSOR" "$compressor" \
@@ -29,5 +30,5 @@ while read -r local compressor; do
                 --global_tokens 4 --recent_window 10 --tasks $TASKS
         done
     done
-done <<<"$PAIRS"
+done
 sweep_done

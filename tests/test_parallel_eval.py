@@ -171,7 +171,7 @@ def test_local_cpu_jobs_share_the_cpus_unless_the_user_set_the_threads(tmp_path)
     commands = tmp_path / "commands.txt"
     line = "python -c \"import os, torch; print(f'threads={{torch.get_num_threads()}} {}', os.environ['OMP_NUM_THREADS'])\"\n"
     commands.write_text(line.format("job 1") + line.format("job 2"))
-    cpus = len(os.sched_getaffinity(0))
+    cpus = parallel_eval.usable_cpus()
 
     def job_threads(out: Path, *env_args: str) -> list[str]:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="-1")
