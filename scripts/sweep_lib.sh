@@ -27,7 +27,7 @@ run_eval() {
     local cmd=("$PYTHON" "$SWEEP_ROOT/eval.py" "$@" --out_dir "$OUT_DIR")
     [[ -n "$NUM_SAMPLES" ]] && cmd+=(--num_samples "$NUM_SAMPLES")
     [[ -n "$SEQ_LENGTH" ]] && cmd+=(--seq_length "$SEQ_LENGTH")
-    cmd+=("${SWEEP_EXTRA[@]}")
+    cmd+=(${SWEEP_EXTRA[@]+"${SWEEP_EXTRA[@]}"}) # bash before 4.4 calls an empty array unbound under set -u
     if [[ -n "${DRY_RUN:-}" ]]; then
         printf '%q ' "${cmd[@]}"
         echo
