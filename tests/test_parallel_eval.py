@@ -19,8 +19,10 @@ EVAL_ARGS = ["--num_samples", "2", "--seq_length", "120", "--max_new_tokens", "4
 SWEEPS = ["sweep_strategies.sh", "sweep_attention_loss.sh", "sweep_variable_compression.sh", "sweep_local_global.sh"]
 
 
-def run_runner(*args, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+def run_runner(*args, timeout: int = 300, env_changes: dict | None = None) -> subprocess.CompletedProcess:
+    """The runner as a command; `env_changes` sets environment variables (None removes one)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", **(env_changes or {})}
+    env = {name: value for name, value in env.items() if value is not None}
     return subprocess.run(
         [sys.executable, str(RUNNER), *map(str, args)],
         cwd=ROOT,
@@ -173,13 +175,10 @@ def test_local_cpu_jobs_share_the_cpus_unless_the_user_set_the_threads(tmp_path)
     commands.write_text(line.format("job 1") + line.format("job 2"))
     cpus = parallel_eval.usable_cpus()
 
-    def job_threads(out: Path, *env_args: str) -> list[str]:
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="-1")
-        env.pop("OMP_NUM_THREADS", None)
-        env.update(arg.split("=", 1) for arg in env_args)
-        result = subprocess.run(
-            [sys.executable, str(RUNNER), "--command_file", str(commands), "--num_workers", "2", "--out_dir", str(out)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    def job_threads(out: Path, user_threads: str | None = None) -> list[str]:
+        result = run_runner(
+            "--command_file", commands, "--num_workers", "2", "--out_dir", out,
+            env_changes={"CUDA_VISIBLE_DEVICES": "-1", "OMP_NUM_THREADS": user_threads},
         )  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
         logs = sorted((out / "logs").glob("*.log"))
@@ -187,7 +186,7 @@ def test_local_cpu_jobs_share_the_cpus_unless_the_user_set_the_threads(tmp_path)
 
     share = max(1, cpus // 2)
     assert job_threads(tmp_path / "shared") == [f"threads={share} job 1 {share}", f"threads={share} job 2 {share}"]
-    assert [line.split()[-1] for line in job_threads(tmp_path / "user", "OMP_NUM_THREADS=3")] == ["3", "3"]
+    assert [line.split()[-1] for line in job_threads(tmp_path / "user", "3")] == ["3", "3"]
 
 
 # ---- a real sweep on Ray vs one after another ------------------------------------------------
