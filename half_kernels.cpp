@@ -142,13 +142,23 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
+// Asks for the cache lines of a slot's row of `dim` values, into L2.
+template <typename Half>
+inline void prefetch_row(const Half* row, int64_t dim) {
+  constexpr int64_t kPerLine = 64 / sizeof(Half);
+  for (int64_t d = 0; d < dim; d += kPerLine) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T1);
+}
+
 // scores[g, s] = q[g] . k[s] for the HEADS query heads g of one KV head and its slots [0, slots), each
-// slot widened once for all of them; 4 slots at a time.
+// slot widened once for all of them; 4 slots at a time. Each slot's value row v[s] is prefetched on
+// the way: weigh_values reads them next, and they would otherwise stall it one line at a time while
+// the memory bus idles.
 template <int HEADS, typename Half>
-void score_slots(const float* q, const Half* k, int64_t k_slot, int64_t slots, int64_t dim, float* scores,
-                 int64_t scores_stride) {
+void score_slots(const float* q, const Half* k, int64_t k_slot, const Half* v, int64_t v_slot, int64_t slots,
+                 int64_t dim, float* scores, int64_t scores_stride) {
   int64_t s = 0;
   for (; s + 4 <= slots; s += 4) {
+    for (int j = 0; j < 4; ++j) prefetch_row(v + (s + j) * v_slot, dim);
     __m256 acc[HEADS][4];
 #pragma GCC unroll 8
     for (int g = 0; g < HEADS; ++g)
@@ -169,6 +179,7 @@ void score_slots(const float* q, const Half* k, int64_t k_slot, int64_t slots, i
       for (int j = 0; j < 4; ++j) scores[g * scores_stride + s + j] = horizontal_sum(acc[g][j]);
   }
   for (; s < slots; ++s) {
+    prefetch_row(v + s * v_slot, dim);
     __m256 acc[HEADS];
 #pragma GCC unroll 8
     for (int g = 0; g < HEADS; ++g) acc[g] = _mm256_setzero_ps();
@@ -257,7 +268,7 @@ void attend(const float* q, const at::Tensor& keys, const at::Tensor& values, co
       float* out_unit = out + first_head * dim;
       dispatch_up_to<kHeadsAtOnce>(n_heads, [&](auto n) {
         constexpr int kHeads = decltype(n)::value;
-        score_slots<kHeads>(q_unit, k_unit, k_slot, slots, dim, scores.data(), padded);
+        score_slots<kHeads>(q_unit, k_unit, k_slot, v_unit, v_slot, slots, dim, scores.data(), padded);
         float sums[kHeads];
         for (int g = 0; g < kHeads; ++g) {
           float* row = scores.data() + g * padded;
