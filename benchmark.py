@@ -359,16 +359,19 @@ def profile_path(base: Path, tag: str, single: bool) -> Path:
 
 
 # ------------------------------------------------------------------------------------ our model
-def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to: Path | None, probe=None) -> dict:
+def run_ours(
+    model, cfg: Config, prompt: torch.Tensor, args, device, profile_to: Path | None, probe=None, batches=False
+) -> dict:
     """One row of ours: the timed prefill and decode, then, on the same caches and continuing the
     same tokens, the steps of its extra measurements (compiled against eager, beside the bandwidth
-    probe, under the profiler). A batch row prefills `prompt` and cfg.batch - 1 other prompts of its
-    length, each alone, then decodes them together: tokens/s count every sequence, cache memory and
-    compression ratio are the first sequence's."""
+    probe, under the profiler, beside its first sequence alone). A batch row prefills `prompt` and
+    cfg.batch - 1 other prompts of its length, each alone, then decodes them together: tokens/s
+    count every sequence, cache memory and compression ratio are the first sequence's. `batches`:
+    the run has batch rows (see decode_phases)."""
     compiled = cfg.mode == "compiled"
     steps = row_steps(compiled, device)
     n_warm = max(args.warmup, 1) if compiled else args.warmup  # a compiled row's first step compiles
-    phases = decode_phases(args, n_warm, probe is not None, profile_to is not None)
+    phases = decode_phases(args, n_warm, probe is not None, profile_to is not None, batches)
     ctx = prompt.numel()
     cache_kwargs = row_cache_kwargs(cfg)
     check_compatibility(cache_kwargs, model.config.n_layer)
@@ -405,6 +408,11 @@ def run_ours(model, cfg: Config, prompt: torch.Tensor, args, device, profile_to:
         with torch_profile(profile_to, device, "decode_steps", args.profile_rows):
             for i in range(len(positions["profiled"])):
                 take_step(i)
+    if cfg.batch > 1:
+        alone = GreedyStream(model, token.view(-1)[:1])
+        row["paired_batch_speedup"] = batch_over_alone(
+            stream, alone, steps["decode"], positions["beside_alone"], caches, rows[0], ctx, n_warm, device
+        )
     model.setup_caches([None] * model.config.n_layer, 1)  # drop this row's caches before the next
     return row
 
@@ -462,17 +470,20 @@ def row_steps(compiled: bool, device) -> dict:
     return compile_steps(STEPS, device)
 
 
-def decode_phases(args, n_warm: int, probe: bool, profiled: bool) -> dict[str, int]:
+def decode_phases(args, n_warm: int, probe: bool, profiled: bool, batches: bool) -> dict[str, int]:
     """Decode steps of a row of ours, by phase, in the order it takes them.
 
     Eager rows size their caches for the paired steps too: a budget fraction of a longer run is more
     slots, and compiled rows would then keep other tokens than the eager row they are compared with.
+    Likewise, in a run with batches, every row sizes its caches for a batch's steps beside its first
+    sequence alone, so that a sequence's cache is the same size in a batch and alone.
     """
     return dict(
         timed=n_warm + args.decode_steps,
         paired=2 * args.decode_steps,
         beside_probe=args.decode_steps if probe else 0,
         profiled=args.profile_steps if profiled else 0,
+        beside_alone=args.decode_steps if batches else 0,
     )
 
 
@@ -555,6 +566,41 @@ def speedup_over_eager(stream: GreedyStream, compiled_step, positions: list, dev
         device,
     )
     return eager_s / compiled_s
+
+
+def batch_over_alone(
+    batch: GreedyStream,
+    alone: GreedyStream,
+    step,
+    positions: list,
+    caches: list,
+    own: list,
+    ctx: int,
+    n_warm: int,
+    device,
+) -> float:
+    """Tokens/s of a batch over those of its first sequence decoded alone, the two alternated (see
+    alternated_medians): the batch's steps on its caches, the sequence's on the caches it was
+    prefilled into alone (`own`), from the same first token. The sequence's first n_warm steps are
+    untimed (a compiled step compiles for one sequence)."""
+    n = len(positions)
+    alone_positions = [torch.full((1,), p, device=device) for p in range(ctx, ctx + n_warm + n)]
+
+    def on(layer_caches: list, take):
+        def call(i: int) -> torch.Tensor:
+            for layer, cache in zip(batch.model.layers, layer_caches):
+                layer.attention.kv_cache = cache  # setup_caches would also make new RoPE tables: a recompile
+            return take(i)
+
+        return call
+
+    take_alone = on(own, alone.stepper(step, alone_positions))
+    for i in range(n_warm):
+        take_alone(i)
+    batch_s, alone_s = alternated_medians(
+        on(caches, batch.stepper(step, positions)), lambda i: take_alone(n_warm + i), n, device
+    )
+    return len(batch.token.view(-1)) * alone_s / batch_s
 
 
 def bound_beside_decode(stream: GreedyStream, step, positions: list, probe, row: dict, batch: int, device) -> dict:
@@ -747,12 +793,13 @@ def measure_ours(args, configs: list[Config], device, prompt_for, probe, single:
     once: each round would compile again; question rows run once, taking their rounds inside."""
     model = load_model(args.checkpoint_path, device, resolve_dtype(configs[0].dtype))
     warm_up_ours(model, device)
+    batches = any(c.batch > 1 for c in configs)
 
     def measure_one(cfg, round_index):
         if cfg.questions:
             return measure(cfg, device, run_questions, model, cfg, prompt_for(cfg.context), args, device)
         prof = profile_path(args.profile, cfg.tag, single) if args.profile and round_index == 0 else None
-        return measure(cfg, device, run_ours, model, cfg, prompt_for(cfg.context), args, device, prof, probe)
+        return measure(cfg, device, run_ours, model, cfg, prompt_for(cfg.context), args, device, prof, probe, batches)
 
     in_turn = [c for c in configs if c.mode == "eager" and not c.questions]
     rows = in_rounds(in_turn, args.rounds, measure_one)

@@ -252,6 +252,27 @@ def test_chunked_prefill_and_question_targets():
     )
 
 
+def test_batch_targets_judge_steps_alternated_with_the_first_sequence_alone():
+    batch = dict(mode="compiled", decode_tok_s=35.0, cache_mib=12.0)
+    rows = [row(mode="compiled", cache_mib=12.0), row(**batch, batch=8, paired_batch_speedup=4.2)]
+    targets = by_what(compute_targets(rows, CONTEXTS))
+    alternated = targets[
+        "decode full @512 bfloat16 compiled, batch 8 / alone, steps alternated (tokens/s over the batch)"
+    ]
+    assert alternated["value"] == pytest.approx(4.2) and alternated["passed"] is True
+    apart = targets["decode full @512 bfloat16 compiled, batch 8 / batch 1 rows (tokens/s over the batch)"]
+    assert apart["value"] == pytest.approx(3.5) and apart["passed"] is None
+    assert targets["cache memory per sequence full @512 bfloat16 compiled, batch 8 == batch 1"]["passed"]
+    # a batch row without the alternated steps (a failed measurement) is judged on the rows' ratio
+    rows[1].update(paired_batch_speedup=None, cache_mib=13.0)
+    targets = by_what(compute_targets(rows, CONTEXTS))
+    assert (
+        targets["decode full @512 bfloat16 compiled, batch 8 / batch 1 rows (tokens/s over the batch)"]["passed"]
+        is False
+    )
+    assert targets["cache memory per sequence full @512 bfloat16 compiled, batch 8 != batch 1"]["passed"] is False
+
+
 def test_alternated_medians_calls_the_two_in_turn_and_returns_each_ones_median():
     calls = []
 
@@ -341,3 +362,26 @@ def test_chunked_prefill_and_question_rows(smollm2_checkpoint, tmp_path):
         assert float(rows[chunk, "0"]["prefill_tok_s"]) > 0 and int(rows[chunk, "0"]["cache_slots"]) == 24
         asked = rows[chunk, "3"]
         assert asked["same_answers"] == "1" and 0 < float(asked["shared_over_separate"]) < 1
+
+
+@pytest.mark.slow
+def test_batch_rows_decode_together_and_beside_their_first_sequence_alone(smollm2_checkpoint, tmp_path):
+    out = tmp_path / "bench.csv"
+    cmd = [
+        sys.executable, str(ROOT / "benchmark.py"), "--strategies", "full", "l2", "--budgets", "0.5",
+        "--context_lengths", "40", "--batch_sizes", "1", "3", "--dtypes", "float32", "--decode_steps", "3",
+        "--warmup", "1", "--device", "cpu", "--checkpoint_path", str(smollm2_checkpoint), "--csv", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with out.open() as f:
+        rows = {(r["strategy"], r["batch"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {("full", "1"), ("full", "3"), ("l2", "1"), ("l2", "3")}
+    for strategy in ("full", "l2"):
+        alone, batch = rows[strategy, "1"], rows[strategy, "3"]
+        assert alone["error"] == batch["error"] == ""
+        assert alone["paired_batch_speedup"] == "" and float(batch["paired_batch_speedup"]) > 0
+        assert batch["cache_mib"] == alone["cache_mib"] and batch["cache_slots"] == alone["cache_slots"]
+        # tokens/s count every sequence of the batch: a step of 3 takes decode_ms for 3 tokens
+        assert float(batch["decode_tok_s"]) == pytest.approx(3000 / float(batch["decode_ms"]), rel=1e-3)
+    assert "11. decode full @40 float32 eager, batch 3 / alone, steps alternated" in result.stdout
