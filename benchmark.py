@@ -62,7 +62,7 @@ from benchmark_report import (
     machine_description,
     write_csv,
 )
-from cache import cache_statistics, state_bytes
+from cache import cache_state, cache_statistics, load_cache_state, state_bytes
 from cache_args import check_compatibility, default_cache_kwargs
 from generation import (
     DEFAULT_CHECKPOINT,
@@ -378,6 +378,7 @@ def run_ours(
     prompts = [prompt] + [random_prompt(model.config.vocab_size, ctx, args.seed + b) for b in range(1, cfg.batch)]
     new_tokens = sum(phases.values()) + 1
     rows = [setup_caches(model, cache_kwargs, ctx, new_tokens) for _ in prompts]
+    alone = setup_caches(model, cache_kwargs, ctx, new_tokens) if cfg.batch > 1 else None  # see batch_over_alone
     caches = setup_caches(model, cache_kwargs, ctx, new_tokens, batch_size=cfg.batch) if cfg.batch > 1 else rows[0]
     positions = phase_positions(phases, ctx, cfg.batch, device)
     row = {"compressor": cfg.compressor, "cache_slots": min(c.budget for c in caches)}
@@ -409,9 +410,8 @@ def run_ours(
             for i in range(len(positions["profiled"])):
                 take_step(i)
     if cfg.batch > 1:
-        alone = GreedyStream(model, token.view(-1)[:1])
         row["paired_batch_speedup"] = batch_over_alone(
-            stream, alone, steps["decode"], positions["beside_alone"], caches, rows[0], ctx, n_warm, device
+            stream, steps["decode"], positions["beside_alone"], caches, rows[0], alone, n_warm, device
         )
     model.setup_caches([None] * model.config.n_layer, 1)  # drop this row's caches before the next
     return row
@@ -476,14 +476,15 @@ def decode_phases(args, n_warm: int, probe: bool, profiled: bool, batches: bool)
     Eager rows size their caches for the paired steps too: a budget fraction of a longer run is more
     slots, and compiled rows would then keep other tokens than the eager row they are compared with.
     Likewise, in a run with batches, every row sizes its caches for a batch's steps beside its first
-    sequence alone, so that a sequence's cache is the same size in a batch and alone.
+    sequence alone (which warms up first), so that a sequence's cache is the same size in a batch and
+    alone.
     """
     return dict(
         timed=n_warm + args.decode_steps,
         paired=2 * args.decode_steps,
         beside_probe=args.decode_steps if probe else 0,
         profiled=args.profile_steps if profiled else 0,
-        beside_alone=args.decode_steps if batches else 0,
+        beside_alone=n_warm + args.decode_steps if batches else 0,
     )
 
 
@@ -569,22 +570,17 @@ def speedup_over_eager(stream: GreedyStream, compiled_step, positions: list, dev
 
 
 def batch_over_alone(
-    batch: GreedyStream,
-    alone: GreedyStream,
-    step,
-    positions: list,
-    caches: list,
-    own: list,
-    ctx: int,
-    n_warm: int,
-    device,
+    batch: GreedyStream, step, positions: list, caches: list, first: list, alone: list, n_warm: int, device
 ) -> float:
     """Tokens/s of a batch over those of its first sequence decoded alone, the two alternated (see
-    alternated_medians): the batch's steps on its caches, the sequence's on the caches it was
-    prefilled into alone (`own`), from the same first token. The sequence's first n_warm steps are
-    untimed (a compiled step compiles for one sequence)."""
-    n = len(positions)
-    alone_positions = [torch.full((1,), p, device=device) for p in range(ctx, ctx + n_warm + n)]
+    alternated_medians) for len(positions) - n_warm steps each.
+
+    The sequence goes on alone from where the batch has taken it: its row (`first`, the sequence's
+    own caches, which became views of the batch's row when they joined it) is copied into caches of
+    one sequence (`alone`), and from its last token it steps on at the batch's positions, n_warm
+    steps untimed first (a compiled step compiles for one sequence)."""
+    load_cache_state(alone, cache_state(first))
+    alone_stream = GreedyStream(batch.model, batch.token.view(-1)[:1])
 
     def on(layer_caches: list, take):
         def call(i: int) -> torch.Tensor:
@@ -594,11 +590,11 @@ def batch_over_alone(
 
         return call
 
-    take_alone = on(own, alone.stepper(step, alone_positions))
+    take_alone = on(alone, alone_stream.stepper(step, [p.view(-1)[:1] for p in positions]))
     for i in range(n_warm):
         take_alone(i)
     batch_s, alone_s = alternated_medians(
-        on(caches, batch.stepper(step, positions)), lambda i: take_alone(n_warm + i), n, device
+        on(caches, batch.stepper(step, positions)), lambda i: take_alone(n_warm + i), len(positions) - n_warm, device
     )
     return len(batch.token.view(-1)) * alone_s / batch_s
 

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_prompt, tiny_transformer
 
 import benchmark
 import benchmark_plan
 import benchmark_report
+import generation
 import strategies
 from benchmark_plan import PLAN, QUICK, Config, compute_targets, plan_configs
 from benchmark_report import COLUMNS
@@ -271,6 +273,31 @@ def test_batch_targets_judge_steps_alternated_with_the_first_sequence_alone():
         is False
     )
     assert targets["cache memory per sequence full @512 bfloat16 compiled, batch 8 != batch 1"]["passed"] is False
+
+
+@pytest.mark.parametrize("strategy", ["full", "l2"])
+def test_a_batchs_first_sequence_steps_on_alone_from_where_the_batch_took_it(strategy, monkeypatch):
+    """The alone steps run on their own copy of the sequence's row, at the batch's positions: in
+    float32 they pick the tokens the batch picks for that row, and the batch's row is left alone."""
+    model = tiny_transformer(seed=0)
+    calls = []
+
+    def recorded_decode(model, x, input_pos):
+        logits = generation.decode_one_token(model, x, input_pos)
+        calls.append((x.shape[0], input_pos.view(-1)[0].item(), generation.sample(logits).view(-1)[0].item()))
+        return logits
+
+    monkeypatch.setitem(benchmark.STEPS, "decode", recorded_decode)
+    args = parsed("--decode_steps", "4", "--warmup", "2")
+    budget = 1.0 if strategy == "full" else 0.5
+    cfg = Config("ours", strategy, budget, 24, "float32", "eager", None, batch=3)
+    measured = benchmark.run_ours(model, cfg, tiny_prompt(24), args, torch.device("cpu"), None, None, True)
+    assert measured["paired_batch_speedup"] > 0
+    alone = [(pos, token) for size, pos, token in calls if size == 1 and pos >= 24]  # not a prefill's last token
+    batch = [(pos, token) for size, pos, token in calls if size == 3]
+    assert len(alone) == 2 + 4 and [pos for pos, _ in alone] == list(range(alone[0][0], alone[0][0] + 6))
+    beside = batch[-4:]  # the batch's steps alternated with the alone ones, from the same position
+    assert beside == alone[:4] and alone[0][0] > batch[-5][0]  # after the batch's earlier steps
 
 
 def test_alternated_medians_calls_the_two_in_turn_and_returns_each_ones_median():
