@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model import attention_with_probs, rope_frequencies
+from one_token import filled_slots
 from quantization_utils import SUPPORTED_BITS, QuantizedTensor, dequantize, packed_dim, quantize
 
 PATTERNS = ("tile", "repeat", "pyramid", "funnel")
@@ -212,7 +213,7 @@ class KVCache(nn.Module):
             self.write(slots, input_pos.view(-1, 1, 1).expand_as(slots), k, v)
             self.insert_state(slots, k, {})
         keys, values = self.read()
-        return keys, values, self.pos >= 0
+        return keys, values, filled_slots(self.pos)
 
     def eviction_slots(self, input_pos: Tensor) -> Tensor:
         """Slot [B, H, 1] for the next token: an empty one if any, else the least important evictable."""
@@ -372,7 +373,7 @@ class KVCache(nn.Module):
 
     def held(self) -> Tensor:
         """Slots attention may use [B, H, L]: the filled ones."""
-        return self.pos >= 0
+        return filled_slots(self.pos)
 
     def dense(self) -> tuple[Tensor, Tensor]:
         """Keys and values as [B, H, L, D] tensors of the cache's dtype, dequantized if low-bit."""

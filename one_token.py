@@ -93,6 +93,9 @@ def load_half_kernels() -> str | None:
         return reason
     torch.library.register_fake("kvwb::half_rows")(lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
     torch.library.register_fake("kvwb::half_decode_attention")(lambda q, keys, values, mask: q.new_empty(q.shape))
+    torch.library.register_fake("kvwb::filled_slots")(
+        lambda positions: positions.new_empty(positions.shape, dtype=torch.bool)
+    )
     return None
 
 
@@ -145,6 +148,14 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> T
     if matmul_dtype(q) != q.dtype and HALF_KERNELS_MISSING is None and q.shape[-1] % 8 == 0:
         return torch.ops.kvwb.half_decode_attention(q, keys, values, mask)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(2))
+
+
+def filled_slots(positions: Tensor) -> Tensor:
+    """positions >= 0: the slots of a cache that hold a token. Through half_kernels.cpp where it was
+    built and the positions are int32 on the CPU, for compiled decode (see there)."""
+    if HALF_KERNELS_MISSING is None and positions.device.type == "cpu" and positions.dtype == torch.int32:
+        return torch.ops.kvwb.filled_slots(positions)
+    return positions >= 0
 
 
 def pack_for_one_token(weight: Tensor) -> Tensor:

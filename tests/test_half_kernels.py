@@ -152,6 +152,20 @@ def test_half_decode_attention_refuses_what_it_cannot_attend():
         torch.ops.kvwb.half_decode_attention(q.half(), keys, keys, mask)
 
 
+def test_filled_slots_are_the_nonnegative_positions():
+    """one_token.filled_slots (the kernel where it was built, for int32 positions): a cache's slot mask,
+    also of a view such as a batch's row, and of positions of another dtype."""
+    positions = torch.randint(-3, 600, (4, 3, 701), dtype=torch.int32)
+    positions[0, 0, :5] = torch.tensor([-(2**31), -1, 0, 1, 2**31 - 1], dtype=torch.int32)
+    for pos in (positions, positions[1:2, :, :650], positions.transpose(0, 1), positions.long()):
+        filled = one_token.filled_slots(pos)
+        assert filled.dtype == torch.bool and torch.equal(filled, pos >= 0)
+    if HALF_KERNELS_MISSING is None:
+        assert torch.equal(torch.ops.kvwb.filled_slots(positions), positions >= 0)
+        with pytest.raises(RuntimeError, match="int32 positions"):
+            torch.ops.kvwb.filled_slots(positions.long())
+
+
 @pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 16), (torch.bfloat16, 12), (torch.float32, 16)])
 def test_decode_attention_takes_the_kernel_only_for_emulated_half_precision(dtype, head_dim):
     """one_token.decode_attention: half_kernels.cpp where half precision is emulated and it was built
