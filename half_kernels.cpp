@@ -257,30 +257,32 @@ void attend(const float* q, const at::Tensor& keys, const at::Tensor& values, co
   const bool* mask_data = mask.data_ptr<bool>();
   const int64_t passes = (groups + kHeadsAtOnce - 1) / kHeadsAtOnce;
   at::parallel_for(0, keys.size(0) * heads * passes, 1, [&](int64_t begin, int64_t end) {
-    const int64_t padded = (slots + 7) / 8 * 8;
-    std::vector<float> scores(kHeadsAtOnce * padded);
+    std::vector<float> scores(kHeadsAtOnce * ((slots + 7) / 8 * 8));
     for (int64_t unit = begin; unit < end; ++unit) {  // up to kHeadsAtOnce query heads of one KV head
       const int64_t b = unit / (heads * passes), h = unit / passes % heads;
       const int64_t first_head = (b * heads + h) * groups + unit % passes * kHeadsAtOnce;
       const int64_t n_heads = std::min(kHeadsAtOnce, (b * heads + h + 1) * groups - first_head);
       const bool* visible = mask_data + b * m_batch + h * m_head;
+      int64_t used = slots;  // the slots after the last visible one (a cache not yet full) are not read
+      while (used > 0 && !visible[(used - 1) * m_slot]) --used;
+      const int64_t padded = (used + 7) / 8 * 8;
       const Half* k_unit = k_data + b * k_batch + h * k_head;
       const Half* v_unit = v_data + b * v_batch + h * v_head;
       const float* q_unit = q + first_head * dim;
       float* out_unit = out + first_head * dim;
       dispatch_up_to<kHeadsAtOnce>(n_heads, [&](auto n) {
         constexpr int kHeads = decltype(n)::value;
-        score_slots<kHeads>(q_unit, k_unit, k_slot, v_unit, v_slot, slots, dim, scores.data(), padded);
+        score_slots<kHeads>(q_unit, k_unit, k_slot, v_unit, v_slot, used, dim, scores.data(), padded);
         float sums[kHeads];
         for (int g = 0; g < kHeads; ++g) {
           float* row = scores.data() + g * padded;
           for (int64_t s = 0; s < padded; ++s)
-            if (s >= slots || !visible[s * m_slot]) row[s] = -std::numeric_limits<float>::infinity();
+            if (s >= used || !visible[s * m_slot]) row[s] = -std::numeric_limits<float>::infinity();
           sums[g] = exponentiate(row, padded);
         }
         for (int64_t first = 0; first < dim; first += 32)
           dispatch_up_to<4>(std::min<int64_t>(4, (dim - first) / 8), [&](auto v) {
-            weigh_values<kHeads, decltype(v)::value>(scores.data(), padded, visible, m_slot, v_unit, v_slot, slots,
+            weigh_values<kHeads, decltype(v)::value>(scores.data(), padded, visible, m_slot, v_unit, v_slot, used,
                                                      dim, first, out_unit);
           });
         for (int g = 0; g < kHeads; ++g)
