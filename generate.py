@@ -96,17 +96,24 @@ def read_prompt(prompt: str) -> str:
         if not path.is_file():
             names = ", ".join(sorted(p.name for p in PROMPT_DIR.glob("*.txt")))
             raise ValueError(f"prompt file '{prompt}' not found in {PROMPT_DIR}; choose from: {names}")
-        prompt = path.read_text()
+        prompt = read_text(path, "prompt file")
     if not prompt.strip():
         raise ValueError("the prompt is empty; pass --prompt TEXT or --prompt NAME.txt")
     return prompt
+
+
+def read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path} ({e.strerror}); give a readable text file") from None
 
 
 def read_prompts_file(path: Path) -> list[str]:
     """One prompt per non-empty line, or, in a .jsonl file, one JSON object with a "prompt" per line."""
     if not path.is_file():
         raise ValueError(f"prompts file {path} not found; pass a file with one prompt per line")
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    lines = [(n, line) for n, line in enumerate(read_text(path, "prompts file").splitlines(), 1) if line.strip()]
     if not lines:
         raise ValueError(f"prompts file {path} holds no prompt; write one prompt per line")
     if path.suffix != ".jsonl":
@@ -252,14 +259,29 @@ def format_statistic(value) -> str:
 
 
 def append_csv(path: Path, stats: dict, args: argparse.Namespace) -> None:
+    """Appends a row under the file's header. A row with a column the file lacks (a prompts-file
+    run's prompt_index after single runs, a strategy's own statistic) rewrites the file, atomically,
+    under both headers, so that every row's values stay under their names."""
     row = {k: json.dumps(v) if isinstance(v, list) else v for k, v in {**stats, **vars(args)}.items()}
     row = {k: str(v) if isinstance(v, Path) else v for k, v in row.items()}
-    exists = path.is_file() and path.stat().st_size > 0
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
-        if not exists:
-            writer.writeheader()
-        writer.writerow(row)
+    header, rows = [], []
+    if path.is_file() and path.stat().st_size > 0:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            if not row.keys() <= set(header):
+                rows = list(reader)
+    if header and row.keys() <= set(header):
+        with path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=header).writerow(row)
+        return
+    header += [k for k in row if k not in header]
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with partial.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header)
+        writer.writeheader()
+        writer.writerows([*rows, row])
+    os.replace(partial, path)
 
 
 def check_prompt_fits(args, cache_kwargs: dict, config, prompt_length: int, question_length: int = 0) -> None:

@@ -203,13 +203,18 @@ def run_generate(*argv) -> str:
 @pytest.mark.slow
 def test_generate_py_runs_a_prompts_file_in_batches(tmp_path):
     """A JSONL prompts file of 5 through `generate.py --batch_size 4` (a full batch, then one prompt)
-    prints each output as `--batch_size 1` does, the batch's throughput, and a csv row per prompt."""
+    prints each output as `--batch_size 1` does, the batch's throughput, and a csv row per prompt,
+    under the header of a file that already holds a single prompt's row."""
     texts = ["What is a cold compress?", "Hi", "Name three colors.", "Why is the sky blue?", "Tell me about the sea."]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
     flags = ["--prompts_file", str(prompts), "--max_new_tokens", "8", "--dtype", "float32", "--cache_strategy", "l2"]
     flags += ["--max_cache_length", "0.5", "--prompt_compression_strategy", "l2"]
     outputs, rows = {}, {}
+    single_csv = tmp_path / "batch4.csv"
+    run_generate("--prompt", "Hi", "--max_new_tokens", "2", "--csv", str(single_csv))
+    with single_csv.open() as f:
+        single = list(csv.DictReader(f))
     for batch_size in (1, 4):
         csv_path = tmp_path / f"batch{batch_size}.csv"
         out = run_generate(*flags, "--batch_size", str(batch_size), "--csv", str(csv_path))
@@ -217,6 +222,8 @@ def test_generate_py_runs_a_prompts_file_in_batches(tmp_path):
         assert f"5 prompts in batches of {batch_size}: prefill" in out and "tokens/s over the batch" in out
         with csv_path.open() as f:
             rows[batch_size] = list(csv.DictReader(f))
+    assert rows[4][0] == {**single[0], "prompt_index": ""}  # the earlier row, under the wider header
+    rows[4] = rows[4][1:]
     assert [n for n, _, _ in outputs[4]] == ["1", "2", "3", "4", "5"]
     assert outputs[4] == outputs[1] and all(text.strip() for _, text, _ in outputs[4])
     assert [r["prompt_index"] for r in rows[4]] == ["1", "2", "3", "4", "5"]

@@ -9,6 +9,7 @@ subprocesses to check the command line end to end (exit status, stderr, no trace
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -226,6 +227,22 @@ def test_bad_prompts_files(name, text, flags, expected, tmp_path, capsys, monkey
     if text is not None:
         path.write_text(text)
     assert_one_line_error(*run_main(["--prompts_file", str(path), *flags], capsys, monkeypatch), expected)
+
+
+@pytest.mark.parametrize(("flag", "what"), [("--prompts_file", "prompts file"), ("--prompt", "prompt file")])
+def test_an_unreadable_prompt_file_is_one_line(flag, what, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "p.txt"
+    path.write_text("hello\n")
+    read_text = Path.read_text
+
+    def refuse_path(self, *args, **kwargs):  # chmod 000 does not stop root, who runs CI
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refuse_path)
+    expected = f"cannot read {what} {path} (Permission denied)"
+    assert_one_line_error(*run_main([flag, str(path)], capsys, monkeypatch), expected)
 
 
 def test_batch_size_needs_a_prompts_file(capsys, monkeypatch):
