@@ -201,7 +201,10 @@ def checked_configs(args) -> list[Config]:
     check_output_path(args.profile, "--profile")
     configs = plan_configs(args)
     if not configs:
-        raise ValueError("the grid is empty (compressing strategies skip budget 1.0; add a budget below 1)")
+        raise ValueError(
+            "the grid is empty (compressing strategies skip budget 1.0, question rows skip batches over 1); "
+            "add a budget below 1 or a batch size of 1"
+        )
     n_layer = checkpoint_config(args.checkpoint_path).n_layer
     for cfg in configs:
         check_compatibility(row_cache_kwargs(cfg), n_layer)

@@ -221,6 +221,8 @@ def target_lines(spec: dict, row: dict, rows: list[dict], contexts: dict[str, in
             continue  # not measured in this row
         bits = f" {row['cache_bits']}-bit" if row["cache_bits"] else ""
         what = spec["what"].format(**row, bits=bits, verdict="==" if ok else "!=")
+        if row["batch"] > 1 and "{batch}" not in spec["what"]:
+            what += f" (batch {row['batch']})"  # else a run with batches repeats the batch-1 line
         line = dict(target=str(spec["id"]), what=what, value=value, threshold=threshold(spec))
         yield {**line, "passed": judged(spec, row, rows, ok)}, ok
 

@@ -257,11 +257,20 @@ def test_chunked_prefill_and_question_targets():
 def test_batch_targets_judge_steps_alternated_with_the_first_sequence_alone():
     batch = dict(mode="compiled", decode_tok_s=35.0, cache_mib=12.0)
     rows = [row(mode="compiled", cache_mib=12.0), row(**batch, batch=8, paired_batch_speedup=4.2)]
+    rows.append(row(**batch, batch=2, paired_batch_speedup=1.3))  # at most 2x: information, not a failure
     targets = by_what(compute_targets(rows, CONTEXTS))
     alternated = targets[
         "decode full @512 bfloat16 compiled, batch 8 / alone, steps alternated (tokens/s over the batch)"
     ]
     assert alternated["value"] == pytest.approx(4.2) and alternated["passed"] is True
+    pair = targets["decode full @512 bfloat16 compiled, batch 2 / alone, steps alternated (tokens/s over the batch)"]
+    assert pair["value"] == pytest.approx(1.3) and pair["passed"] is None
+    # a target whose text does not name the batch says it for batch rows, so no two lines read alike
+    pressed = dict(strategy="heavy_hitter", budget=0.25, context=4096, prefill_tok_s=80.0)
+    rows += [row(context=4096), row(**pressed), row(context=4096, batch=2), row(**pressed, batch=2)]
+    lines = [t["what"] for t in compute_targets(rows, CONTEXTS)]
+    assert "prefill heavy_hitter 0.25 @4096 bfloat16 eager: / full (batch 2)" in lines
+    assert len(lines) == len(set(lines))
     apart = targets["decode full @512 bfloat16 compiled, batch 8 / batch 1 rows (tokens/s over the batch)"]
     assert apart["value"] == pytest.approx(3.5) and apart["passed"] is None
     assert targets["cache memory per sequence full @512 bfloat16 compiled, batch 8 == batch 1"]["passed"]
