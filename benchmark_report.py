@@ -96,8 +96,8 @@ BOUND_NOTE = (
 )
 INFO_NOTE = (
     " (info lines are not judged: eager rows beside the compiled row judged against HF and the bound,"
-    " ratios of two rows where steps alternated in the same seconds are judged instead, and compiled"
-    " tokens compared with float32)"
+    " ratios of two rows where steps alternated in the same seconds are judged instead, batch sizes"
+    " other than 8 beside their first sequence alone, and compiled tokens compared with float32)"
 )
 
 

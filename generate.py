@@ -11,6 +11,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -259,29 +260,40 @@ def format_statistic(value) -> str:
 
 
 def append_csv(path: Path, stats: dict, args: argparse.Namespace) -> None:
-    """Appends a row under the file's header. A row with a column the file lacks (a prompts-file
-    run's prompt_index after single runs, a strategy's own statistic) rewrites the file, atomically,
-    under both headers, so that every row's values stay under their names."""
+    """Appends a row under the file's header. A row with a column the header lacks (a prompts-file
+    run's prompt_index after single runs, a strategy's own statistic) rewrites the file atomically
+    with those columns added at the end: earlier rows keep their values where they were. Runs that
+    share a folder take turns (a lock on the folder), so that none appends to a file being replaced."""
+    import fcntl
+
     row = {k: json.dumps(v) if isinstance(v, list) else v for k, v in {**stats, **vars(args)}.items()}
     row = {k: str(v) if isinstance(v, Path) else v for k, v in row.items()}
-    header, rows = [], []
-    if path.is_file() and path.stat().st_size > 0:
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            header = list(reader.fieldnames or [])
-            if not row.keys() <= set(header):
-                rows = list(reader)
-    if header and row.keys() <= set(header):
-        with path.open("a", newline="") as f:
-            csv.DictWriter(f, fieldnames=header).writerow(row)
-        return
-    header += [k for k in row if k not in header]
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with partial.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=header)
-        writer.writeheader()
-        writer.writerows([*rows, row])
-    os.replace(partial, path)
+    path = path.resolve()  # a link stays a link to the rewritten file
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        lines = []
+        if path.is_file() and path.stat().st_size > 0:
+            with path.open(newline="") as f:
+                lines = list(csv.reader(f))
+        header = lines[0] if lines else []
+        if header and row.keys() <= set(header):
+            with path.open("a", newline="") as f:
+                csv.DictWriter(f, fieldnames=header).writerow(row)
+            return
+        header = header + [k for k in row if k not in header]
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with partial.open("w", newline="") as f:
+                csv.writer(f).writerows([header, *lines[1:]])
+                csv.DictWriter(f, fieldnames=header).writerow(row)
+            if path.is_file():
+                shutil.copymode(path, partial)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+    finally:
+        os.close(folder)
 
 
 def check_prompt_fits(args, cache_kwargs: dict, config, prompt_length: int, question_length: int = 0) -> None:

@@ -222,7 +222,7 @@ def test_generate_py_runs_a_prompts_file_in_batches(tmp_path):
         assert f"5 prompts in batches of {batch_size}: prefill" in out and "tokens/s over the batch" in out
         with csv_path.open() as f:
             rows[batch_size] = list(csv.DictReader(f))
-    assert rows[4][0] == {**single[0], "prompt_index": ""}  # the earlier row, under the wider header
+    assert rows[4][0] == {**single[0], "prompt_index": None}  # the earlier line as it was, under the wider header
     rows[4] = rows[4][1:]
     assert [n for n, _, _ in outputs[4]] == ["1", "2", "3", "4", "5"]
     assert outputs[4] == outputs[1] and all(text.strip() for _, text, _ in outputs[4])

@@ -6,6 +6,8 @@ fast and proves the error comes before the weights are read; a few run `python g
 subprocesses to check the command line end to end (exit status, stderr, no traceback).
 """
 
+import argparse
+import csv
 import shutil
 import subprocess
 import sys
@@ -265,3 +267,31 @@ def test_command_line_end_to_end(malformed_yaml, tmp_path):
         out, err = proc.communicate(timeout=120)
         assert out == ""
         assert_one_line_error(proc.returncode, err, expected)
+
+
+def test_csv_rows_of_other_columns_never_lose_what_the_file_holds(tmp_path):
+    """A row with a new column widens the header and keeps every earlier line as it was (even one
+    longer than its header, as an older version wrote); the file's mode and a link to it stay; rows
+    appended by runs at once, some of them widening the header, are all there."""
+    target = tmp_path / "runs.csv"
+    target.write_text("x,y\n1,2\n1,5,6\n")
+    target.chmod(0o664)
+    link = tmp_path / "link.csv"
+    link.symlink_to(target)
+    generate.append_csv(link, {"x": 7, "z": 8}, argparse.Namespace())
+    assert link.is_symlink() and target.stat().st_mode & 0o777 == 0o664
+    assert target.read_text().splitlines() == ["x,y,z", "1,2", "1,5,6", "7,,8"]
+    generate.append_csv(link, {"z": 9}, argparse.Namespace())
+    assert target.read_text().splitlines()[-1] == ",,9"
+    script = (
+        "import argparse, sys; sys.path.insert(0, sys.argv[1]); import generate\n"
+        "for i in range(40):\n"
+        "    generate.append_csv(generate.Path(sys.argv[2]), {'who': sys.argv[3], f'c{sys.argv[3]}{i % 3}': i},"
+        " argparse.Namespace())\n"
+    )
+    shared = tmp_path / "shared.csv"
+    runs = [subprocess.Popen([sys.executable, "-c", script, str(ROOT), str(shared), who]) for who in "ab"]
+    assert all(run.wait(timeout=120) == 0 for run in runs)
+    with shared.open() as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["who"] for r in rows) == ["a"] * 40 + ["b"] * 40
