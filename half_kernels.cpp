@@ -1,7 +1,8 @@
-// Decode-step kernels for CPUs with AVX2 but no bfloat16 or float16 arithmetic (one_token.py builds
-// and loads them there). Without half-precision instructions ATen emulates half-precision products
-// element by element, and oneDNN refuses them; an upcast copy streams twice the bytes. Both kernels
-// widen the half-precision weights or cache to float32 in registers, sum in float32 and round once.
+// Decode-step kernels for CPUs with AVX2 or AVX512 but no bfloat16 or float16 arithmetic (one_token.py
+// builds and loads them there). Without half-precision instructions ATen emulates half-precision
+// products element by element, and oneDNN refuses them (AVX2) or emulates them too (AVX512); an upcast
+// copy streams twice the bytes. Both kernels widen the half-precision weights or cache to float32 in
+// registers, sum in float32 and round once.
 // A sequence's values do not depend on the other sequences of its batch, nor on how many slots the
 // batch's cache has past its own.
 //
@@ -56,48 +57,81 @@ inline void dispatch_up_to(int64_t count, F&& f) {
   f(std::integral_constant<int, N>{});
 }
 
+// The lanes half_rows multiplies in: 16 where the CPU has AVX512 (twice the products per instruction,
+// and 32 registers: 3 weight rows by 8 rows of x accumulate at once), else 8.
+#ifdef __AVX512F__
+using Lanes = __m512;
+constexpr int64_t kLanes = 16;
+inline Lanes widen_lanes(const at::BFloat16* p) {
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline Lanes widen_lanes(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline Lanes load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline Lanes zero_lanes() { return _mm512_setzero_ps(); }
+inline Lanes fmadd_lanes(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+inline float sum_lanes(Lanes v) {
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return horizontal_sum(_mm256_add_ps(_mm512_castps512_ps256(v), high));
+}
+#else
+using Lanes = __m256;
+constexpr int64_t kLanes = 8;
+template <typename Half>
+inline Lanes widen_lanes(const Half* p) { return widen8(p); }
+inline Lanes load_lanes(const float* p) { return _mm256_loadu_ps(p); }
+inline Lanes zero_lanes() { return _mm256_setzero_ps(); }
+inline Lanes fmadd_lanes(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
+inline float sum_lanes(Lanes v) { return horizontal_sum(v); }
+#endif
+
 // y[m, n] = x[m, :] . w[n, :] for the ROWS rows of x and the WEIGHTS weight rows from n, each sum in
-// k order, 8 lanes then the tail, whatever the tile.
+// k order, kLanes lanes then the tail, whatever the tile.
 template <int WEIGHTS, int ROWS, typename Half>
 inline void multiply_tile(const float* x, const Half* w, float* y, int64_t k_size, int64_t n_size, int64_t n) {
-  const int64_t vector_end = k_size - k_size % 8;
-  __m256 acc[WEIGHTS][ROWS];
+  const int64_t vector_end = k_size - k_size % kLanes;
+  Lanes acc[WEIGHTS][ROWS];
 #pragma GCC unroll 8
   for (int i = 0; i < WEIGHTS; ++i)
 #pragma GCC unroll 8
-    for (int m = 0; m < ROWS; ++m) acc[i][m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < vector_end; k += 8) {
-    __m256 w8[WEIGHTS];
+    for (int m = 0; m < ROWS; ++m) acc[i][m] = zero_lanes();
+  for (int64_t k = 0; k < vector_end; k += kLanes) {
+    Lanes w_lanes[WEIGHTS];
 #pragma GCC unroll 8
-    for (int i = 0; i < WEIGHTS; ++i) w8[i] = widen8(w + (n + i) * k_size + k);
+    for (int i = 0; i < WEIGHTS; ++i) w_lanes[i] = widen_lanes(w + (n + i) * k_size + k);
 #pragma GCC unroll 8
     for (int m = 0; m < ROWS; ++m) {
-      const __m256 x8 = _mm256_loadu_ps(x + m * k_size + k);
+      const Lanes x_lanes = load_lanes(x + m * k_size + k);
 #pragma GCC unroll 8
-      for (int i = 0; i < WEIGHTS; ++i) acc[i][m] = _mm256_fmadd_ps(w8[i], x8, acc[i][m]);
+      for (int i = 0; i < WEIGHTS; ++i) acc[i][m] = fmadd_lanes(w_lanes[i], x_lanes, acc[i][m]);
     }
   }
   for (int i = 0; i < WEIGHTS; ++i) {
     const Half* w_row = w + (n + i) * k_size;
     for (int m = 0; m < ROWS; ++m) {
-      float sum = horizontal_sum(acc[i][m]);
+      float sum = sum_lanes(acc[i][m]);
       for (int64_t k = vector_end; k < k_size; ++k) sum += static_cast<float>(w_row[k]) * x[m * k_size + k];
       y[m * n_size + n + i] = sum;
     }
   }
 }
 
-// One weight row at a time against up to 8 rows of x while those rows fit the CPU's L1 cache; longer
-// rows go 4 at a time against 3 weight rows, so that the rows of x are read from L1.
+// AVX2: one weight row at a time against up to 8 rows of x while those rows fit the CPU's L1 cache;
+// longer rows go 4 at a time against 3 weight rows, so that the rows of x are read from L1. AVX512: 3
+// weight rows against up to 8 rows of x.
 template <typename Half>
 void multiply(const float* x, const Half* w, float* y, int64_t rows, int64_t k_size, int64_t n_size) {
+  const bool wide_registers = kLanes == 16;
   const bool long_rows = rows > 4 && rows * k_size * static_cast<int64_t>(sizeof(float)) > kRowsInL1Bytes;
-  const int64_t tile_rows = long_rows ? 4 : kMaxRows;
+  const bool three_weights = wide_registers || long_rows;
+  const int64_t tile_rows = long_rows && !wide_registers ? 4 : kMaxRows;
   at::parallel_for(0, n_size, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
-    for (; long_rows && n + 3 <= n1; n += 3)
+    for (; three_weights && n + 3 <= n1; n += 3)
       for (int64_t m0 = 0; m0 < rows; m0 += tile_rows)
-        dispatch_up_to<4>(std::min(tile_rows, rows - m0), [&](auto r) {
+        dispatch_up_to<kMaxRows>(std::min(tile_rows, rows - m0), [&](auto r) {
           multiply_tile<3, decltype(r)::value>(x + m0 * k_size, w, y + m0 * n_size, k_size, n_size, n);
         });
     for (; n < n1; ++n)

@@ -5,7 +5,7 @@ A decode step multiplies one token per sequence by every weight, so its speed is
 the kernel streams the weights. Where the CPU has bfloat16 instructions, oneDNN streams a copy of the
 weights in its own blocked layout faster than the plain weights, with the same values: load_model
 packs them (pack_one_token_weights) and one token of a decode step goes through the packed copy
-(KeepsPackedCopy.packed_product). Where the CPU has AVX2 but only emulates half precision, the few
+(KeepsPackedCopy.packed_product). Where the CPU has AVX2 or AVX512 but only emulates half precision, the few
 rows of a decode step (one per sequence) and its attention go through half_kernels.cpp, which reads
 each half-precision weight once for all rows and widens weights and cache slots to float32 in
 registers; it is built here, once, with torch's C++ extension builder. Everything else goes through
@@ -24,9 +24,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-# CPUs whose best vector unit is AVX2 have no bfloat16 or float16 instructions: their half-precision
-# products are emulated, far slower than the float32 products of the same values.
-HALF_MATMUL_IS_EMULATED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "NO AVX", "DEFAULT")
+CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+# CPUs whose best vector unit is AVX2, or AVX512 without its bfloat16 extension, have no bfloat16 or
+# float16 products: they are emulated, far slower than the float32 products of the same values.
+HALF_MATMUL_IS_EMULATED = CPU_CAPABILITY in ("AVX2", "NO AVX", "DEFAULT") or (
+    CPU_CAPABILITY == "AVX512" and not torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
+)
 FLOAT32_GEMM_MIN_ROWS = 8  # with fewer rows the weights' upcast costs more than the float32 GEMM saves
 HALF_ROWS_MAX = 64  # with more rows the float32 GEMM of upcast weights is faster than half_kernels.cpp
 # With bfloat16 instructions (AVX512-BF16, AMX), oneDNN multiplies one token by the weights it has packed
@@ -38,8 +41,12 @@ ONEDNN_PACKS_BFLOAT16 = (
 )
 
 
-# One build per checkout and torch version (torch's default folder is shared by every checkout).
-HALF_KERNELS_BUILD = Path(__file__).resolve().parent / "build" / f"half_kernels-torch{torch.__version__}"
+# The vector units half_kernels.cpp is built for, by CPU capability: AVX512 multiplies in 16 lanes.
+HALF_KERNELS_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f"]}
+# One build per checkout, torch version and capability (torch's default folder is shared by every checkout).
+HALF_KERNELS_BUILD = (
+    Path(__file__).resolve().parent / "build" / f"half_kernels-torch{torch.__version__}-{CPU_CAPABILITY.lower()}"
+)
 
 
 def build_half_kernels() -> None:
@@ -59,7 +66,7 @@ def build_half_kernels() -> None:
         cpp_extension.load(
             "kvwb_half_kernels",
             [str(Path(__file__).with_name("half_kernels.cpp"))],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_cflags=["-O3", *HALF_KERNELS_FLAGS[CPU_CAPABILITY], "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(HALF_KERNELS_BUILD),
             is_python_module=False,
@@ -69,9 +76,8 @@ def build_half_kernels() -> None:
 def load_half_kernels() -> str | None:
     """Builds half_kernels.cpp (only the first import compiles) and registers torch.ops.kvwb.half_rows
     and half_decode_attention; returns why they are not there instead."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX2":
-        return f"the kernels need AVX2, this CPU has {capability}"
+    if CPU_CAPABILITY not in HALF_KERNELS_FLAGS:
+        return f"the kernels need AVX2 or AVX512, this CPU has {CPU_CAPABILITY}"
     from torch.utils import cpp_extension
 
     # ninja from the requirements sits beside this Python, on PATH only where its environment is active

@@ -23,18 +23,18 @@ HALF_DTYPES = [torch.bfloat16, torch.float16]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_half_kernels_are_built_on_avx2_cpus():
-    """CPUs with AVX2 and no half-precision instructions decode through half_kernels.cpp; a failed build
-    would leave them on the slower kernels without failing anything else."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX2":
-        pytest.skip(f"half_kernels.cpp is for AVX2 CPUs: {HALF_KERNELS_MISSING}")
+def test_half_kernels_are_built_where_half_precision_is_emulated():
+    """CPUs with AVX2 or AVX512 and no half-precision instructions decode through half_kernels.cpp; a
+    failed build would leave them on the slower kernels without failing anything else."""
+    if not one_token.HALF_MATMUL_IS_EMULATED or one_token.CPU_CAPABILITY not in one_token.HALF_KERNELS_FLAGS:
+        pytest.skip(f"half_kernels.cpp is for AVX2 and AVX512 CPUs without half precision: {HALF_KERNELS_MISSING}")
     assert HALF_KERNELS_MISSING is None, f"half_kernels.cpp did not build: {HALF_KERNELS_MISSING}"
 
 
 def test_without_a_compiler_one_warning_line_and_the_slower_kernels(tmp_path):
     """No C++ compiler on PATH: the import says so in one line, and decode runs."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX2":
-        pytest.skip("half_kernels.cpp is only built on AVX2 CPUs")
+    if not one_token.HALF_MATMUL_IS_EMULATED or one_token.CPU_CAPABILITY not in one_token.HALF_KERNELS_FLAGS:
+        pytest.skip("half_kernels.cpp is only built on AVX2 and AVX512 CPUs without half precision")
     env = {**os.environ, "PATH": str(tmp_path)}
     env.pop("CXX", None)
     code = (
