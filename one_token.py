@@ -73,26 +73,38 @@ def build_half_kernels() -> None:
         )
 
 
+def half_kernels_build_failure() -> str | None:
+    """Why half_kernels.cpp could not be built here, or None once it is built."""
+    from torch.utils import cpp_extension
+
+    compiler = (shlex.split(os.environ.get("CXX", "")) or ["c++"])[0]
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed"
+    try:
+        build_half_kernels()
+    except Exception as error:  # a failed build: the slower kernels still work
+        return (str(error).strip() or type(error).__name__).splitlines()[0].split(": [")[0][:200]
+    return None
+
+
 def load_half_kernels() -> str | None:
     """Builds half_kernels.cpp (only the first import compiles) and registers torch.ops.kvwb.half_rows
     and half_decode_attention; returns why they are not there instead."""
     if CPU_CAPABILITY not in HALF_KERNELS_FLAGS:
         return f"the kernels need AVX2 or AVX512, this CPU has {CPU_CAPABILITY}"
-    from torch.utils import cpp_extension
-
-    # ninja from the requirements sits beside this Python, on PATH only where its environment is active
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    compiler = (shlex.split(os.environ.get("CXX", "")) or ["c++"])[0]
-    if shutil.which(compiler) is None:
-        reason = f"no C++ compiler ({compiler}) on PATH"
-    elif not cpp_extension.is_ninja_available():
-        reason = "ninja is not installed"
-    else:
-        try:
-            build_half_kernels()
-            reason = None
-        except Exception as error:  # a failed build: the slower kernels still work
-            reason = (str(error).strip() or type(error).__name__).splitlines()[0].split(": [")[0][:200]
+    # ninja from the requirements sits beside this Python, on PATH only where its environment is active;
+    # the process gets its own PATH back after the build
+    saved_path = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), saved_path or ""])
+    try:
+        reason = half_kernels_build_failure()
+    finally:
+        if saved_path is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = saved_path
     if reason is not None:
         print(f"warning: half_kernels.cpp was not built ({reason}); half-precision decode takes slower kernels; "
               "a C++ compiler (g++) and ninja build it", file=sys.stderr)  # fmt: skip

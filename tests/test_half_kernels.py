@@ -29,6 +29,9 @@ def test_half_kernels_are_built_where_half_precision_is_emulated():
     if not one_token.HALF_MATMUL_IS_EMULATED or one_token.CPU_CAPABILITY not in one_token.HALF_KERNELS_FLAGS:
         pytest.skip(f"half_kernels.cpp is for AVX2 and AVX512 CPUs without half precision: {HALF_KERNELS_MISSING}")
     assert HALF_KERNELS_MISSING is None, f"half_kernels.cpp did not build: {HALF_KERNELS_MISSING}"
+    code = "import os; path = os.environ['PATH']; import one_token; print(os.environ['PATH'] == path)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip() == "True", proc.stderr  # the build's PATH for ninja does not outlive it
 
 
 def test_without_a_compiler_one_warning_line_and_the_slower_kernels(tmp_path):
