@@ -32,13 +32,15 @@ HALF_MATMUL_IS_EMULATED = CPU_CAPABILITY in ("AVX2", "NO AVX", "DEFAULT") or (
 )
 FLOAT32_GEMM_MIN_ROWS = 8  # with fewer rows the weights' upcast costs more than the float32 GEMM saves
 HALF_ROWS_MAX = 64  # with more rows the float32 GEMM of upcast weights is faster than half_kernels.cpp
+# F.linear of bfloat16 values goes to oneDNN where it takes them (AVX512 and up, emulated without
+# AVX512-BF16), else to ATen's own GEMM.
+ONEDNN_BFLOAT16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # With bfloat16 instructions (AVX512-BF16, AMX), oneDNN multiplies one token by the weights it has packed
 # faster than by the plain weights (F.linear), and to the same values at every projection shape.
-ONEDNN_PACKS_BFLOAT16 = (
-    not HALF_MATMUL_IS_EMULATED
-    and torch.backends.mkldnn.is_available()
-    and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-)
+ONEDNN_PACKS_BFLOAT16 = not HALF_MATMUL_IS_EMULATED and ONEDNN_BFLOAT16
+# Where half precision is emulated outside oneDNN, torch.mv multiplies one bfloat16 token faster than
+# F.linear (ATen's GEMM), to the same values.
+BFLOAT16_TOKEN_TAKES_MV = HALF_MATMUL_IS_EMULATED and not ONEDNN_BFLOAT16
 
 
 # The vector units half_kernels.cpp is built for, by CPU capability: AVX512 multiplies in 16 lanes.
@@ -134,7 +136,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     Half precision on a CPU that emulates it: up to HALF_ROWS_MAX rows (a decode step, a short
     prompt) through half_kernels.cpp where it was built; more (a prefill) through the exact float32
     upcast, a float32 GEMM and one rounding back. Without the kernel, one token in eager bfloat16 runs
-    torch.mv (faster than F.linear's GEMM, same values). One token in compiled float32: a multiply and
+    torch.mv where F.linear would take ATen's GEMM (faster, same values; oneDNN's sums differ). One token in compiled float32: a multiply and
     row sum that inductor fuses into one pass over the weights. Compiled half precision otherwise
     keeps F.linear, which inductor leaves to ATen's GEMM: for one row it sums in torch.mv's order, so
     compiled rounds as eager does (torch.mv itself inductor would decompose into a reduction that sums
@@ -151,7 +153,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return F.linear(x.to(work), weight.to(work), upcast_bias).to(x.dtype)
     if rows == 1 and on_cpu and compiling and x.dtype == torch.float32:
         y = (weight * x.reshape(1, -1)).sum(-1)
-    elif rows == 1 and on_cpu and not compiling and x.dtype == torch.bfloat16 and HALF_MATMUL_IS_EMULATED:
+    elif rows == 1 and on_cpu and not compiling and x.dtype == torch.bfloat16 and BFLOAT16_TOKEN_TAKES_MV:
         y = torch.mv(weight, x.reshape(-1))
     else:
         return F.linear(x, weight, bias)

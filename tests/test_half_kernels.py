@@ -71,7 +71,7 @@ def within_rounding(y: torch.Tensor, exact: torch.Tensor, terms: torch.Tensor, n
 
 @needs_half_kernels
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-# 101: not a multiple of 8 lanes; 1541: more than 4 such rows do not fit L1 and take the 3 x 4 tiles
+# 101: not a multiple of 8 or 16 lanes; 1541: on AVX2, more than 4 such rows do not fit L1 and take 3 x 4 tiles
 @pytest.mark.parametrize(("n_in", "bias"), [(96, True), (101, False), (1541, True)])
 def test_half_rows_sums_each_row_in_float32_and_rounds_once_alone_or_in_a_batch(dtype, n_in, bias):
     """Each of 20 rows (more than one block of 8) is within one rounding of the exact product; a row

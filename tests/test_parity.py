@@ -199,14 +199,14 @@ def test_tiny_greedy_continuation_matches_transformers(tiny):
 
 def test_one_bfloat16_token_projects_through_the_kernel_that_suits_the_cpu():
     """A decode step's token goes through half_kernels.cpp where half precision is emulated and it was
-    built, else through torch.mv where it is emulated, else F.linear: the same projection."""
+    built, else through torch.mv where it is emulated outside oneDNN, else F.linear: the same projection."""
     layer = Linear(96, 40, bias=True).to(torch.bfloat16)
     x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
     y = layer(x)
     assert y.shape == (1, 1, 40) and y.dtype == torch.bfloat16
     if HALF_MATMUL_IS_EMULATED and HALF_KERNELS_MISSING is None:
         assert torch.equal(y.view(1, -1), torch.ops.kvwb.half_rows(x.view(1, -1), layer.weight, layer.bias))
-    elif HALF_MATMUL_IS_EMULATED:
+    elif one_token.BFLOAT16_TOKEN_TAKES_MV:
         assert torch.equal(y.view(-1), torch.mv(layer.weight, x.view(-1)) + layer.bias)
     else:
         assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
@@ -301,6 +301,20 @@ def test_compiled_batch_feed_forward_rounds_as_eager():
     x = torch.randn(4, 1, 576, dtype=torch.bfloat16)
     with torch.no_grad():  # as generation runs: freezing takes the weights as constants
         assert torch.equal(compiled(feed_forward, x), step(feed_forward, x))
+
+
+@pytest.mark.slow
+def test_without_the_half_kernels_compiled_one_token_projection_rounds_as_eager(monkeypatch):
+    """Where half_kernels.cpp is missing (no compiler, a failed build), eager's one-token projection
+    takes the kernel whose sums compiled F.linear repeats (the output layer's shape)."""
+    monkeypatch.setattr(one_token, "HALF_KERNELS_MISSING", "not built")
+    torch.manual_seed(0)
+    layer = Linear(576, 49152, bias=False).to(torch.bfloat16).requires_grad_(False)
+    step = lambda module, x: module(x, decode=True)  # noqa: E731
+    compiled = generation.compile_steps({"decode": step, "prefill": step}, torch.device("cpu"))["decode"]
+    x = torch.randn(1, 1, 576, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(compiled(layer, x), step(layer, x))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
