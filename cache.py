@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import attention_with_probs, rope_frequencies
+from model import attention_probs, rope_frequencies
 from one_token import filled_slots
 from quantization_utils import SUPPORTED_BITS, QuantizedTensor, dequantize, packed_dim, quantize
 
@@ -295,11 +295,11 @@ class KVCache(nn.Module):
         group = q.shape[2] // k.shape[2]
         visible = self.held().unsqueeze(-2) & (self.pos.unsqueeze(-2) <= input_pos.view(-1, 1))  # [B, H, N, S]
         mask = visible.repeat(1, 1, group, 1)
-        if not self.return_attn() or self.peeking:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        out, attn = attention_with_probs(q, keys, values, mask)
-        bsz, n_kv, n = k.shape[:3]
-        self.update_state(input_pos, k, v, True, attn.view(bsz, n_kv, q.shape[2] // n, n, -1))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if self.return_attn() and not self.peeking:
+            bsz, n_kv, n = k.shape[:3]
+            attn = attention_probs(q, keys, mask)
+            self.update_state(input_pos, k, v, True, attn.view(bsz, n_kv, q.shape[2] // n, n, -1))
         return out
 
     def reconstruction_prompt(self) -> list[int] | None:

@@ -305,14 +305,16 @@ class Attention(nn.Module):
         group = self.n_head // self.n_local_heads
         keys, values, mask = self.kv_cache.update_kv(input_pos, k, v, query=q, token_ids=token_ids)
         q = q.view(bsz, self.n_local_heads, group * seqlen, self.head_dim)
-        if self.kv_cache.return_attn():
+        if isinstance(keys, QuantizedTensor):
             y, attn = attention_with_probs(q, keys, values, mask.unsqueeze(2))
+        else:
+            # the full cache's kernel, whether or not the strategy also wants the probabilities: at full
+            # length every strategy then decodes the full cache's tokens
+            y = decode_attention(q, keys, values, mask)
+            attn = attention_probs(q, keys, mask.unsqueeze(2)) if self.kv_cache.return_attn() else None
+        if self.kv_cache.return_attn():
             attn = attn.view(bsz, self.n_local_heads, group, seqlen, -1)
             self.kv_cache.update_state(input_pos, k, v, is_prefill=False, attn=attn)
-        elif isinstance(keys, QuantizedTensor):
-            y, _ = attention_with_probs(q, keys, values, mask.unsqueeze(2))
-        else:
-            y = decode_attention(q, keys, values, mask)
         return y.view(bsz, self.n_head, seqlen, self.head_dim)
 
 
@@ -334,18 +336,21 @@ def softmax_as_eager(x: Tensor) -> Tensor:
     return opaque_softmax(x) if torch.compiler.is_compiling() else torch.softmax(x, dim=-1)
 
 
-def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Attention that also returns the probabilities, for caches that score tokens by attention.
-
-    Half-precision scores and sums are float32, as SDPA accumulates: with bfloat16 scores (CPUs with
-    bfloat16 instructions) heavy_hitter at full length would give other greedy tokens than the full cache.
-    k and v may be a low-bit cache's QuantizedTensor: the dequantization folds into the two matmuls.
-    """
+def attention_probs(q: Tensor, k, mask: Tensor) -> Tensor:
+    """Softmax attention probabilities of q over k where mask is true, for caches that score tokens by
+    attention; float32 scores and sums whatever the dtype. k may be a low-bit cache's QuantizedTensor:
+    the dequantization folds into the product."""
     if isinstance(k, QuantizedTensor):
         scores = quantized_scores(q, k)
     else:
         scores = q.float() @ k.float().transpose(-1, -2)
-    probs = softmax_as_eager(torch.where(mask, scores * (1.0 / math.sqrt(q.shape[-1])), float("-inf")))
+    return softmax_as_eager(torch.where(mask, scores * (1.0 / math.sqrt(q.shape[-1])), float("-inf")))
+
+
+def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention computed from attention_probs, and those probabilities: for a low-bit cache, whose
+    QuantizedTensor values no fused kernel takes (the dequantization folds into the two products)."""
+    probs = attention_probs(q, k, mask)
     if isinstance(v, QuantizedTensor):
         return quantized_weighted_sum(probs, v).to(q.dtype), probs
     return (probs @ v.float()).to(v.dtype), probs

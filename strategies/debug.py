@@ -3,7 +3,7 @@
 import torch
 
 from cache import KVCache
-from model import attention_with_probs
+from model import attention_probs
 from strategies.full import FullCache
 
 
@@ -30,7 +30,7 @@ class DebugCache(FullCache):
         if not is_prefill and self.simulated.return_attn():
             bsz, n_kv, _, head_dim = keys.shape
             q = query.reshape(bsz, n_kv, -1, head_dim)
-            _, attn = attention_with_probs(q, keys, values, mask.unsqueeze(2))
+            attn = attention_probs(q, keys, mask.unsqueeze(2))
             self.simulated.update_state(input_pos, k, v, False, attn.unsqueeze(3))
         return super().update_kv(input_pos, k, v, is_prefill, query, **kwargs)
 
