@@ -5,9 +5,9 @@ A decode step multiplies one token per sequence by every weight, so its speed is
 the kernel streams the weights. Where the CPU has bfloat16 instructions, oneDNN streams a copy of the
 weights in its own blocked layout faster than the plain weights, with the same values: load_model
 packs them (pack_one_token_weights) and one token of a decode step goes through the packed copy
-(KeepsPackedCopy.packed_product). Where the CPU has AVX2 or AVX512 but only emulates half precision, the few
-rows of a decode step (one per sequence) and its attention go through half_kernels.cpp, which reads
-each half-precision weight once for all rows and widens weights and cache slots to float32 in
+(KeepsPackedCopy.packed_product). Where the CPU has AVX2 or AVX512 but only emulates half precision,
+the few rows of a decode step (one per sequence) and its attention go through half_kernels.cpp, which
+reads each half-precision weight once for all rows and widens weights and cache slots to float32 in
 registers; it is built here, once, with torch's C++ extension builder. Everything else goes through
 `linear`, which works around CPUs that only emulate half precision. Each path rounds alike eager and
 compiled, so compiled tokens stay eager's.
@@ -44,7 +44,8 @@ BFLOAT16_TOKEN_TAKES_MV = HALF_MATMUL_IS_EMULATED and not ONEDNN_BFLOAT16
 
 
 # The vector units half_kernels.cpp is built for, by CPU capability: AVX512 multiplies in 16 lanes.
-HALF_KERNELS_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f"]}
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+HALF_KERNELS_FLAGS = {"AVX2": AVX2_FLAGS, "AVX512": [*AVX2_FLAGS, "-mavx512f"]}
 # One build per checkout, torch version and capability (torch's default folder is shared by every checkout).
 HALF_KERNELS_BUILD = (
     Path(__file__).resolve().parent / "build" / f"half_kernels-torch{torch.__version__}-{CPU_CAPABILITY.lower()}"
@@ -136,8 +137,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     Half precision on a CPU that emulates it: up to HALF_ROWS_MAX rows (a decode step, a short
     prompt) through half_kernels.cpp where it was built; more (a prefill) through the exact float32
     upcast, a float32 GEMM and one rounding back. Without the kernel, one token in eager bfloat16 runs
-    torch.mv where F.linear would take ATen's GEMM (faster, same values; oneDNN's sums differ). One token in compiled float32: a multiply and
-    row sum that inductor fuses into one pass over the weights. Compiled half precision otherwise
+    torch.mv where F.linear would take ATen's GEMM (faster, same values; oneDNN's sums differ). One
+    token in compiled float32: a multiply and row sum that inductor fuses into one pass over the
+    weights. Compiled half precision otherwise
     keeps F.linear, which inductor leaves to ATen's GEMM: for one row it sums in torch.mv's order, so
     compiled rounds as eager does (torch.mv itself inductor would decompose into a reduction that sums
     in another order).

@@ -19,25 +19,27 @@ from one_token import HALF_KERNELS_MISSING
 needs_half_kernels = pytest.mark.skipif(
     HALF_KERNELS_MISSING is not None, reason=f"no half_kernels.cpp: {HALF_KERNELS_MISSING}"
 )
+built_here = pytest.mark.skipif(
+    not one_token.HALF_MATMUL_IS_EMULATED or one_token.CPU_CAPABILITY not in one_token.HALF_KERNELS_FLAGS,
+    reason="half_kernels.cpp is only built on AVX2 and AVX512 CPUs without half precision",
+)
 HALF_DTYPES = [torch.bfloat16, torch.float16]
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@built_here
 def test_half_kernels_are_built_where_half_precision_is_emulated():
     """CPUs with AVX2 or AVX512 and no half-precision instructions decode through half_kernels.cpp; a
     failed build would leave them on the slower kernels without failing anything else."""
-    if not one_token.HALF_MATMUL_IS_EMULATED or one_token.CPU_CAPABILITY not in one_token.HALF_KERNELS_FLAGS:
-        pytest.skip(f"half_kernels.cpp is for AVX2 and AVX512 CPUs without half precision: {HALF_KERNELS_MISSING}")
     assert HALF_KERNELS_MISSING is None, f"half_kernels.cpp did not build: {HALF_KERNELS_MISSING}"
     code = "import os; path = os.environ['PATH']; import one_token; print(os.environ['PATH'] == path)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.stdout.strip() == "True", proc.stderr  # the build's PATH for ninja does not outlive it
 
 
+@built_here
 def test_without_a_compiler_one_warning_line_and_the_slower_kernels(tmp_path):
     """No C++ compiler on PATH: the import says so in one line, and decode runs."""
-    if not one_token.HALF_MATMUL_IS_EMULATED or one_token.CPU_CAPABILITY not in one_token.HALF_KERNELS_FLAGS:
-        pytest.skip("half_kernels.cpp is only built on AVX2 and AVX512 CPUs without half precision")
     env = {**os.environ, "PATH": str(tmp_path)}
     env.pop("CXX", None)
     code = (
