@@ -87,6 +87,10 @@ inline Lanes fmadd_lanes(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, 
 inline float sum_lanes(Lanes v) { return horizontal_sum(v); }
 #endif
 
+// Left to itself the compiler folds the load of a row of x into each of the WEIGHTS products that use
+// it; at 8 rows of x the tile is then bound by the loads (27 per 24 products), not by the products.
+inline void keep_in_register(Lanes& v) { asm("" : "+v"(v)); }
+
 constexpr int64_t kWeightsAhead = 6;  // weight rows between the tile and the rows it asks the memory for
 
 // y[m, n] = x[m, :] . w[n, :] for the ROWS rows of x and the WEIGHTS weight rows from n, each sum in
@@ -112,7 +116,8 @@ inline void multiply_tile(const float* x, const Half* w, float* y, int64_t k_siz
     }
 #pragma GCC unroll 8
     for (int m = 0; m < ROWS; ++m) {
-      const Lanes x_lanes = load_lanes(x + m * k_size + k);
+      Lanes x_lanes = load_lanes(x + m * k_size + k);
+      keep_in_register(x_lanes);
 #pragma GCC unroll 8
       for (int i = 0; i < WEIGHTS; ++i) acc[i][m] = fmadd_lanes(w_lanes[i], x_lanes, acc[i][m]);
     }
