@@ -139,10 +139,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     upcast, a float32 GEMM and one rounding back. Without the kernel, one token in eager bfloat16 runs
     torch.mv where F.linear would take ATen's GEMM (faster, same values; oneDNN's sums differ). One
     token in compiled float32: a multiply and row sum that inductor fuses into one pass over the
-    weights. Compiled half precision otherwise
-    keeps F.linear, which inductor leaves to ATen's GEMM: for one row it sums in torch.mv's order, so
-    compiled rounds as eager does (torch.mv itself inductor would decompose into a reduction that sums
-    in another order).
+    weights. Compiled half precision otherwise keeps F.linear, which inductor leaves to ATen's GEMM:
+    for one row it sums in torch.mv's order, so compiled rounds as eager does (torch.mv itself inductor
+    would decompose into a reduction that sums in another order).
     """
     rows = x.shape[:-1].numel()
     on_cpu = x.device.type == "cpu"
