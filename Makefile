@@ -2,7 +2,7 @@
 PYTHON ?= python3
 CHECKPOINT := checkpoints/SmolLM2-135M-Instruct/model.pth
 
-.PHONY: demo test test-fast install install-dev lint
+.PHONY: demo test test-fast install install-dev lint cpu-kernels
 
 install:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r requirements.txt
@@ -24,3 +24,7 @@ test-fast: install-dev $(CHECKPOINT)
 
 lint: install-dev
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+
+# Optional: the CPU back-end's C++ kernels (needs g++ and ninja); everything works without them.
+cpu-kernels: install
+	$(PYTHON) -m cpu_backend.build

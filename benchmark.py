@@ -65,6 +65,7 @@ from benchmark_report import (
 from cache import cache_state, cache_statistics, load_cache_state, state_bytes
 from cache_args import check_compatibility, default_cache_kwargs
 from generation import (
+    BACKENDS,
     DEFAULT_CHECKPOINT,
     STEPS,
     CheckpointError,
@@ -152,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"contexts the targets refer to (default {' '.join(map(str, TARGET_CONTEXTS.values()))})")  # fmt: skip
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="auto: the CPU back-end's kernels on CPU (`make cpu-kernels` builds its C++ ones); "
+                   "none: the plain model (default: %(default)s)")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", type=Path, default=None, help="write all rows to this CSV file")
@@ -790,7 +794,7 @@ def measure_ours(args, configs: list[Config], device, prompt_for, probe, single:
     """Our rows of one dtype. Eager rows come first, in rounds: eager rows measured after compiled
     ones have come out slower on a small machine (the cause is not pinned down). Compiled rows run
     once: each round would compile again; question rows run once, taking their rounds inside."""
-    model = load_model(args.checkpoint_path, device, resolve_dtype(configs[0].dtype))
+    model = load_model(args.checkpoint_path, device, resolve_dtype(configs[0].dtype), backend=args.backend)
     warm_up_ours(model, device)
     batches = any(c.batch > 1 for c in configs)
 

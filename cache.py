@@ -17,8 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import attention_probs, rope_frequencies
-from one_token import filled_slots
+from attention import attention_probs, rope_frequencies
 from quantization_utils import SUPPORTED_BITS, QuantizedTensor, dequantize, packed_dim, quantize
 
 PATTERNS = ("tile", "repeat", "pyramid", "funnel")
@@ -169,9 +168,13 @@ class KVCache(nn.Module):
         self.register_buffer("row_offsets", offsets, persistent=False)
 
     # -- what a strategy may override -------------------------------------------------------
-    def score(self, input_pos: Tensor) -> Tensor:
-        """Importance of each slot, [B, H or 1, L]; the lowest evictable slot is overwritten."""
-        return self.pos.float()
+    def score(self, key_pos: Tensor, k, v, query: Tensor | None, query_pos: Tensor) -> Tensor:
+        """Importance [B, H or 1, L] of each slot (higher = keep), scored as a prompt compressor scores
+        its candidates: key_pos is `pos`, k and v the slots' keys and values (a low-bit cache's
+        QuantizedTensor: see quantization_utils.dense), query [B, H_q, 1, D] the decode step's query
+        at query_pos ([1], or one per sequence [B, 1]) whose token is still to be inserted. The lowest
+        evictable slot is overwritten."""
+        return key_pos.float()
 
     def return_attn(self) -> bool:
         return self.needs_attention
@@ -209,15 +212,15 @@ class KVCache(nn.Module):
         if is_prefill:
             self.prefill(input_pos, k, v, query)
         else:
-            slots = self.eviction_slots(input_pos)
+            slots = self.eviction_slots(input_pos, query)
             self.write(slots, input_pos.view(-1, 1, 1).expand_as(slots), k, v)
             self.insert_state(slots, k, {})
         keys, values = self.read()
-        return keys, values, filled_slots(self.pos)
+        return keys, values, self.pos >= 0
 
-    def eviction_slots(self, input_pos: Tensor) -> Tensor:
+    def eviction_slots(self, input_pos: Tensor, query: Tensor | None = None) -> Tensor:
         """Slot [B, H, 1] for the next token: an empty one if any, else the least important evictable."""
-        score = self.score(input_pos).expand_as(self.pos)
+        score = self.score(self.pos, *self.read(), query, input_pos).expand_as(self.pos)
         recent = input_pos.view(-1, 1, 1) - self.recent_window.view(-1, 1, 1)
         protected = (self.pos < self.global_tokens) | (self.pos >= recent)
         score = torch.where(protected, math.inf, score)
@@ -373,7 +376,7 @@ class KVCache(nn.Module):
 
     def held(self) -> Tensor:
         """Slots attention may use [B, H, L]: the filled ones."""
-        return filled_slots(self.pos)
+        return self.pos >= 0
 
     def dense(self) -> tuple[Tensor, Tensor]:
         """Keys and values as [B, H, L, D] tensors of the cache's dtype, dequantized if low-bit."""
@@ -532,33 +535,6 @@ def layer_strategies(cache_kwargs: dict, n_layer: int) -> list[tuple[str, str]]:
         compressors = compressors * len(strategies)
     pairs = list(zip(strategies, compressors))
     return spread_over_layers(pairs, n_layer, cache_kwargs["cache_strategy_pattern"], "cache_strategy")
-
-
-def create_caches(
-    cache_kwargs: dict,
-    n_layer: int,
-    n_heads: int,
-    head_dim: int,
-    prompt_length: int,
-    max_new_tokens: int,
-    device,
-    dtype: torch.dtype,
-    max_batch_size: int = 1,
-) -> list[KVCache]:
-    """One cache per layer, sized and typed by the per-layer patterns."""
-    from strategies import new_cache  # the registry imports this module
-
-    lengths = layer_cache_lengths(cache_kwargs, n_layer, prompt_length, max_new_tokens)
-    seq_len = prompt_length + max_new_tokens
-    caches = []
-    for length, (strategy, compressor) in zip(lengths, layer_strategies(cache_kwargs, n_layer)):
-        if length <= cache_kwargs["global_tokens"]:
-            raise ValueError(f"--global_tokens {cache_kwargs['global_tokens']} exceeds a cache of {length} slots")
-        cache = new_cache(
-            strategy, compressor, (max_batch_size, n_heads, head_dim), length, seq_len, dtype, cache_kwargs
-        )
-        caches.append(cache.to(device))
-    return caches
 
 
 def cache_statistics(caches: list[KVCache], seq_len: int) -> dict:

@@ -38,7 +38,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        help="compress the context before the question is seen (query-agnostic); default: query-aware, "
                        "the question is compressed with the context")  # fmt: skip
     for p in strategies.hyperparameters():
-        users = [n for n, c in strategies.STRATEGIES.items() if p in c.params]
+        users = strategies.param_users(p)
         text = f"{'/'.join(users)}: {p.help}" if users else p.help
         if p.type is bool:
             group.add_argument(f"--{p.name}", action="store_true", help=f"{text} (default: off)")
@@ -216,6 +216,8 @@ def relevant_kwargs(cache_kwargs: dict) -> dict:
     names = ["cache_strategy", "prompt_compression_strategy"]
     for strategy in cache_kwargs["cache_strategy"]:
         names += strategies.strategy_class(strategy).relevant_kwargs()
+    for compressor in cache_kwargs["prompt_compression_strategy"]:
+        names += [p.name for p in strategies.compressor_class(compressor).params]
     if len(cache_kwargs["max_cache_length"]) > 1 or cache_kwargs["cache_length_pattern"] in ("pyramid", "funnel"):
         names.append("cache_length_pattern")
     if len(cache_kwargs["cache_strategy"]) > 1:

@@ -49,6 +49,7 @@ from cache_args import (
     relevant_kwargs,
 )
 from generation import (
+    BACKENDS,
     DEFAULT_CHECKPOINT,
     STEPS,
     CheckpointError,
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="converted checkpoint folder (default: the embedded SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="auto: the CPU back-end's kernels on CPU (`make cpu-kernels` builds its C++ ones); "
+                        "none: the plain model (default: %(default)s)")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32 (default: bfloat16)")
     parser.add_argument("--no_chat_template", action="store_true", help="feed prompts as raw text (default: off)")
     parser.add_argument("--out_dir", type=Path, default=Path("results"), help="results root folder (default: results)")
@@ -633,7 +637,7 @@ def main(argv=None) -> dict:
             if args.overwrite:
                 discard_results(folder, labels)
             existing = {label: read_predictions(folder / f"{label}_predictions.csv") for label in labels}
-            model = load_model(args.checkpoint_path, device, dtype)
+            model = load_model(args.checkpoint_path, device, dtype, backend=args.backend)
         except (ValueError, CheckpointError, FileNotFoundError) as e:
             sys.exit(f"error: {e}")
         args_record["model"] = Path(args.checkpoint_path).name

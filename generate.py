@@ -29,6 +29,7 @@ from cache_args import (
     parse_args_with_cache_config,
 )
 from generation import (
+    BACKENDS,
     DEFAULT_CHECKPOINT,
     STEPS,
     CheckpointError,
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="makes sampling and random eviction repeatable (default: 0)"
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="auto: the CPU back-end's kernels on CPU (`make cpu-kernels` builds its C++ ones); "
+                        "none: the plain model (default: %(default)s)")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32 (default: bfloat16)")
     parser.add_argument("--no_chat_template", action="store_true", help="feed the prompt as raw text (default: off)")
     parser.add_argument("--compile", action="store_true", help="torch.compile prefill and decode (default: off)")
@@ -387,7 +391,7 @@ def main(argv=None) -> None:
             question_length = prompt_ids.numel() - context_length if args.context_only else 0
             check_prompt_fits(args, cache_kwargs, config, prompt_ids.numel(), question_length)
         shard = tp.apply_tp if tp.maybe_init_dist(device) is not None else None
-        model = load_model(args.checkpoint_path, device, dtype, shard=shard)
+        model = load_model(args.checkpoint_path, device, dtype, shard=shard, backend=args.backend)
     except (ValueError, CheckpointError, FileNotFoundError) as e:
         sys.exit(f"error: {e}" if not rank else 1)
 

@@ -9,13 +9,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from cache import cache_state, cache_statistics, create_caches, load_cache_state
+import cpu_backend
+from cache import cache_state, cache_statistics, load_cache_state
 from model import ModelArgs, Transformer
-from one_token import pack_one_token_weights
+from strategies import create_caches
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct"
 PREPARE_HINT = {"SmolLM2-135M-Instruct": "bash scripts/prepare_smollm2.sh (or: make demo)"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+BACKENDS = ("auto", "none")  # auto: the CPU back-end's kernels on CPU; none: the plain model everywhere
 
 
 class CheckpointError(ValueError):
@@ -52,8 +54,9 @@ def checkpoint_config(checkpoint_dir: Path) -> ModelArgs:
     return ModelArgs.from_checkpoint_dir(checkpoint_dir)
 
 
-def load_model(checkpoint_dir: Path, device, dtype: torch.dtype, shard=None) -> Transformer:
-    """`shard(model)` (e.g. tp.apply_tp) runs on the memory-mapped CPU weights, before the move to `device`."""
+def load_model(checkpoint_dir: Path, device, dtype: torch.dtype, shard=None, backend: str = "auto") -> Transformer:
+    """`shard(model)` (e.g. tp.apply_tp) runs on the memory-mapped CPU weights, before the move to `device`;
+    then `backend` auto swaps in the CPU back-end's kernels where the device is the CPU."""
     config = checkpoint_config(checkpoint_dir)
     weights = Path(checkpoint_dir) / "model.pth"
     try:
@@ -75,8 +78,7 @@ def load_model(checkpoint_dir: Path, device, dtype: torch.dtype, shard=None) -> 
     if shard is not None:
         shard(model)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    pack_one_token_weights(model)
-    return model
+    return cpu_backend.apply(model) if backend == "auto" else model
 
 
 def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, generators=None) -> Tensor:
@@ -159,32 +161,32 @@ RECOMPILE_LIMIT = 64  # eval and benchmark reuse the compiled steps across many 
 def compile_steps(model_fns: dict, device: torch.device) -> dict:
     """torch.compile of the decode step (fixed shapes) and of prefill (dynamic prompt length).
 
-    Inductor options are passed per compile, and freezing (which dynamo reads when it traces) is
-    patched around each decode call, so nothing leaks to a later caller; only dynamo's recompile
-    limit is raised, for all. The options keep compiled tokens equal to eager's: inductor's RNG would
-    make `random` eviction differ, so it falls back to eager's; precision casts are emulated so fused
-    bfloat16 kernels round where eager rounds; the matmuls stay ATen's or the packed copies' oneDNN
-    products (no max-autotune, no weight prepacking by inductor); ATen's one-token GEMM sums in
-    torch.mv's order, where an autotuned micro-GEMM or a prepacked product with a fused SiLU would
-    round differently and tokens would drift where logits nearly tie. Decode freezes the weights into
-    the graph (cache buffers stay mutable), so compiled steps serve one model; on CPU it calls its
-    kernels from generated C++ (cpp_wrapper). CUDA graphs stay off because the step's inputs are fresh
-    tensors each call.
-    Prefill does not freeze: inductor would prepack and fuse its projections, or fold the float32
-    upcast of every weight into constants.
+    The options keep compiled tokens equal to eager's: inductor's RNG would make `random` eviction
+    differ, so it falls back to eager's; precision casts are emulated so fused bfloat16 kernels round
+    where eager rounds. Only dynamo's recompile limit is raised, for all callers.
+
+    On CUDA decode replays CUDA graphs, as gpt-fast's does: the caches are module buffers updated in
+    place, so one graph serves every step (its logits are copied out before the next replay). On CPU
+    decode freezes the weights into the graph (cache buffers stay mutable; inductor's freezing is
+    patched around each call, as dynamo reads it while tracing), so compiled steps serve one model,
+    and calls its kernels from generated C++ (cpp_wrapper); the matmuls stay ATen's or the CPU
+    back-end's packed oneDNN products (no weight prepacking by inductor, whose fused products round
+    differently). Prefill does not freeze: inductor would prepack and fuse its projections, or fold
+    the float32 upcast of every weight into constants.
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     common = {"fallback_random": True, "emulate_precision_casts": True}
+    prefill = torch.compile(model_fns["prefill"], dynamic=True, options={**common, "freezing": False})
+    if device.type == "cuda":
+        graphed = torch.compile(model_fns["decode"], fullgraph=True, options={**common, "triton.cudagraphs": True})
+        return {"decode": lambda *args: graphed(*args).clone(), "prefill": prefill}
     decode = torch.compile(
         model_fns["decode"],
         fullgraph=True,
         options={**common, "cpp.weight_prepack": False, "cpp_wrapper": device.type == "cpu"},
     )
     freezing = torch._inductor.config.patch(freezing=True)  # dynamo reads it while tracing, at call time
-    return {
-        "decode": freezing(decode),
-        "prefill": torch.compile(model_fns["prefill"], dynamic=True, options={**common, "freezing": False}),
-    }
+    return {"decode": freezing(decode), "prefill": prefill}
 
 
 STEPS = {"prefill": prefill, "decode": decode_one_token}

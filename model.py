@@ -1,7 +1,6 @@
 """The Llama-style Transformer (gpt-fast style) and the attention layer that talks to its KV cache."""
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -10,8 +9,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from one_token import KeepsPackedCopy, decode_attention, linear
-from quantization_utils import QuantizedTensor, order_free_dtype, quantized_scores, quantized_weighted_sum
+from attention import (
+    apply_rotary_emb,
+    attention_probs,
+    attention_with_probs,
+    precompute_freqs_cis,
+    rope_frequencies,
+    slot_attention,
+)
+from quantization_utils import QuantizedTensor, order_free_dtype
 
 
 @dataclass
@@ -189,7 +195,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.output = Linear(config.dim, config.vocab_size, bias=False)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.freqs_cis: Tensor | None = None
@@ -224,7 +230,7 @@ class Transformer(nn.Module):
             x = layer(x, input_pos, freqs_cis, is_prefill, idx, extends)
         if last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x), decode=not is_prefill).float()
+        return self.output(self.norm(x)).float()
 
     @classmethod
     def from_name(cls, name: str) -> "Transformer":
@@ -249,7 +255,7 @@ class TransformerBlock(nn.Module):
         extends: bool = False,
     ) -> Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, input_pos, is_prefill, token_ids, extends)
-        return h + self.feed_forward(self.ffn_norm(h), decode=not is_prefill)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Attention(nn.Module):
@@ -259,8 +265,8 @@ class Attention(nn.Module):
         self.n_local_heads = config.n_local_heads
         self.head_dim = config.head_dim
         total_head_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
-        self.wqkv = Linear(config.dim, total_head_dim, bias=config.attention_bias)
-        self.wo = Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        self.wqkv = nn.Linear(config.dim, total_head_dim, bias=config.attention_bias)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: nn.Module | None = None
 
     def forward(
@@ -276,7 +282,7 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
-        qk, v = self.wqkv(x, decode=not is_prefill).split([q_size + kv_size, kv_size], dim=-1)
+        qk, v = self.wqkv(x).split([q_size + kv_size, kv_size], dim=-1)
         # One rotation for the query and key heads together: half the ops of an eager decode step's RoPE.
         qk = apply_rotary_emb(qk.view(bsz, seqlen, self.n_head + self.n_local_heads, self.head_dim), freqs_cis)
         q, k = qk.transpose(1, 2).split([self.n_head, self.n_local_heads], dim=1)
@@ -287,7 +293,7 @@ class Attention(nn.Module):
             y = self.prefill_attention(q, k, v, input_pos, token_ids)
         else:
             y = self.decode_attention(q, k, v, input_pos, token_ids)
-        return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, q_size), decode=not is_prefill)
+        return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, q_size))
 
     def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, token_ids: Tensor) -> Tensor:
         """Full causal attention over the prompt; the cache then takes what its compressor keeps."""
@@ -308,79 +314,29 @@ class Attention(nn.Module):
         if isinstance(keys, QuantizedTensor):
             y, attn = attention_with_probs(q, keys, values, mask.unsqueeze(2))
         else:
-            # the full cache's kernel, whether or not the strategy also wants the probabilities: at full
-            # length every strategy then decodes the full cache's tokens
-            y = decode_attention(q, keys, values, mask)
+            # the full cache's attention, whether or not the strategy also wants the probabilities: at
+            # full length every strategy then decodes the full cache's tokens
+            y = self.attend_slots(q, keys, values, mask)
             attn = attention_probs(q, keys, mask.unsqueeze(2)) if self.kv_cache.return_attn() else None
         if self.kv_cache.return_attn():
             attn = attn.view(bsz, self.n_local_heads, group, seqlen, -1)
             self.kv_cache.update_state(input_pos, k, v, is_prefill=False, attn=attn)
         return y.view(bsz, self.n_head, seqlen, self.head_dim)
 
-
-@torch.library.custom_op("kvwb::softmax", mutates_args=())
-def opaque_softmax(x: Tensor) -> Tensor:
-    return torch.softmax(x, dim=-1)
-
-
-@opaque_softmax.register_fake
-def _(x: Tensor) -> Tensor:
-    return torch.empty_like(x)
+    def attend_slots(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """Attention over the cache slots a decode step may see; a back-end may swap in its own kernel."""
+        return slot_attention(q, keys, values, mask)
 
 
-def softmax_as_eager(x: Tensor) -> Tensor:
-    """Softmax over the last dim that rounds alike eager and compiled: compiled, eager's kernel behind
-    a custom op, since inductor's fused softmax sums in another order and caches that weight or score
-    tokens by the probabilities would then give compiled greedy tokens unlike eager's; eager,
-    torch.softmax itself, without the custom op's dispatch cost."""
-    return opaque_softmax(x) if torch.compiler.is_compiling() else torch.softmax(x, dim=-1)
-
-
-def attention_probs(q: Tensor, k, mask: Tensor) -> Tensor:
-    """Softmax attention probabilities of q over k where mask is true, for caches that score tokens by
-    attention; float32 scores and sums whatever the dtype. k may be a low-bit cache's QuantizedTensor:
-    the dequantization folds into the product."""
-    if isinstance(k, QuantizedTensor):
-        scores = quantized_scores(q, k)
-    else:
-        scores = q.float() @ k.float().transpose(-1, -2)
-    return softmax_as_eager(torch.where(mask, scores * (1.0 / math.sqrt(q.shape[-1])), float("-inf")))
-
-
-def attention_with_probs(q: Tensor, k, v, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Attention computed from attention_probs, and those probabilities: for a low-bit cache, whose
-    QuantizedTensor values no fused kernel takes (the dequantization folds into the two products)."""
-    probs = attention_probs(q, k, mask)
-    if isinstance(v, QuantizedTensor):
-        return quantized_weighted_sum(probs, v).to(q.dtype), probs
-    return (probs @ v.float()).to(v.dtype), probs
-
-
-class Linear(KeepsPackedCopy, nn.Linear):
-    """nn.Linear on the CPU kernel that suits the shape and dtype (one_token.linear); one token of a
-    decode step (`decode`) goes through load_model's packed copy of the weight where one was made."""
-
-    def forward(self, x: Tensor, decode: bool = False) -> Tensor:
-        y = self.packed_product(x, decode, self.bias)
-        return linear(x, self.weight, self.bias) if y is None else y
-
-
-class FeedForward(KeepsPackedCopy):
-    stacks = ("w1", "w3")  # one packed copy for both, as they multiply the same input
-
+class FeedForward(nn.Module):
     def __init__(self, config: ModelArgs) -> None:
         super().__init__()
-        self.w1 = Linear(config.dim, config.intermediate_size, bias=False)
-        self.w3 = Linear(config.dim, config.intermediate_size, bias=False)
-        self.w2 = Linear(config.intermediate_size, config.dim, bias=False)
+        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
 
-    def forward(self, x: Tensor, decode: bool = False) -> Tensor:
-        gate_up = self.packed_product(x, decode)
-        if gate_up is None:
-            gate, up = self.w1(x, decode), self.w3(x, decode)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up, decode)
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class RMSNorm(nn.Module):
@@ -396,42 +352,3 @@ class RMSNorm(nn.Module):
         xf = x.float()
         scale = torch.rsqrt(xf.to(order_free_dtype(x.device)).pow(2).mean(-1, keepdim=True) + self.eps).float()
         return (xf * scale).type_as(x) * self.weight
-
-
-def apply_rope_scaling(freqs: Tensor, rope_scaling: dict) -> Tensor:
-    """Llama-3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, smooth between."""
-    factor = rope_scaling["factor"]
-    low_freq_factor = rope_scaling["low_freq_factor"]
-    high_freq_factor = rope_scaling["high_freq_factor"]
-    old_context_len = rope_scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / freqs
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * freqs / factor + smooth * freqs
-    scaled = torch.where(wavelen > low_freq_wavelen, freqs / factor, smoothed)
-    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
-
-
-def rope_frequencies(n_elem: int, base: float, rope_scaling: dict | None = None) -> Tensor:
-    """The rotary angle per position of each of the n_elem / 2 pairs, float64."""
-    freqs = 1.0 / (base ** (torch.arange(0, n_elem, 2, dtype=torch.float64)[: n_elem // 2] / n_elem))
-    if rope_scaling and rope_scaling.get("rope_type", "llama3") == "llama3":
-        freqs = apply_rope_scaling(freqs, rope_scaling)
-    return freqs
-
-
-def precompute_freqs_cis(seq_len: int, n_elem: int, base: float, rope_scaling: dict | None = None) -> Tensor:
-    freqs = rope_frequencies(n_elem, base, rope_scaling)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
-    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).float()
-
-
-def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
-    """Rotates pairs (x[i], x[i + d/2]) -- the HF layout, so HF weights load without permutation."""
-    half = x.shape[-1] // 2
-    cos = freqs_cis[..., 0].view(-1, x.size(1), 1, half)  # [1, T, ...] shared, or [B, 1, ...] per sequence
-    sin = freqs_cis[..., 1].view(-1, x.size(1), 1, half)
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)

@@ -3,8 +3,10 @@
 The prompt itself is prefilled with full attention; a compressor only picks the `budget` positions
 (global tokens and the most recent ones always among them) that the cache keeps, in position order.
 Prefilled in chunks, the candidates are what the cache holds plus the chunk, ranked together.
-Like caches, each compressor is a `score()`: higher is kept. A strategy's own compressor lives in
-its module in `strategies/`, registered under the strategy's name.
+Like caches, each compressor is a `score()` of the same signature: higher is kept. A strategy's own
+compressor lives in its module in `strategies/`, registered under the strategy's name (and its own
+`name`, where it has one); it may declare hyper-parameters of its own, which become flags and preset
+keys like a cache's.
 """
 
 import math
@@ -12,29 +14,36 @@ import math
 import torch
 from torch import Tensor
 
+from cache import Param
+
 HEAD_FLOOR = 0.2  # adaptive head budgets: the share of the uniform budget every head keeps (AdaKV's safeguard)
 
 
 class PromptCompressor:
     """The base score is the position: global tokens plus the most recent."""
 
+    name = ""  # registered under this name too, besides its strategy's
     head_specific = False  # keeps different tokens per KV head: only for head-specific caches
     compresses = True  # False: the cache must hold the whole prompt
+    params: tuple[Param, ...] = ()  # its own hyper-parameters
 
-    def __init__(self, global_tokens: int = 1, recent_window: int = 10):
+    def __init__(self, global_tokens: int = 1, recent_window: int = 10, **params):
         self.global_tokens = global_tokens
         self.recent_window = recent_window
+        for p in self.params:
+            setattr(self, p.name, params.get(p.name, p.default))
 
-    def score(self, key_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> Tensor:
+    def score(self, key_pos: Tensor, k: Tensor, v: Tensor, query: Tensor, query_pos: Tensor) -> Tensor:
         """Importance [B or 1, H or 1, S] of each candidate key k [B, H, S, D] at positions key_pos
-        [B or 1, H or 1, S] (-1: an empty slot). The queries [B, H_q, T, D] are those of the last T
-        candidates: the prompt, or the chunk being prefilled."""
+        [B or 1, H or 1, S] (-1: an empty slot). The queries [B, H_q, T, D] at query_pos [T] are those
+        of the last T candidates: the prompt, or the chunk being prefilled."""
         return key_pos.float()
 
     def __call__(self, key_pos: Tensor, k: Tensor, v: Tensor, query: Tensor, budget: int, capacity=None) -> Tensor:
         """Indices [B or 1, H or 1, budget] of the candidates to keep, in position order, empty slots
         last; with a `capacity`, [B, H, capacity] under adaptive head budgets (see keep_top)."""
-        return self.keep_top(key_pos, self.score(key_pos, k, v, query), budget, capacity)
+        query_pos = key_pos.reshape(-1, key_pos.shape[-1])[0, -query.shape[2] :]
+        return self.keep_top(key_pos, self.score(key_pos, k, v, query, query_pos), budget, capacity)
 
     def keep_top(self, key_pos: Tensor, score: Tensor, budget: int, capacity: int | None = None) -> Tensor:
         """The global tokens, the most recent and then the highest scores, as `__call__` returns them.

@@ -143,3 +143,10 @@ def exact_sum(x: Tensor) -> Tensor:
 def order_free_dtype(device: torch.device) -> torch.dtype:
     """float64, whose sums of float32 terms round to the same float32 in any order; MPS has none."""
     return torch.float32 if device.type == "mps" else torch.float64
+
+
+def dense(x) -> Tensor:
+    """A cache's keys or values as a tensor: a QuantizedTensor dequantized to its scales' dtype."""
+    if isinstance(x, QuantizedTensor):
+        return dequantize(x.packed, x.scale, x.zero, x.bits, x.scale.dtype)
+    return x

@@ -1,13 +1,24 @@
-"""The strategy registry: every KV-cache strategy, one module each.
+"""The strategy registry: every KV-cache strategy, one module each, and the per-layer cache factory.
 
 Flags, presets' keys, result-folder names, compatibility checks, `debug_<name>`, the sweeps' and the
 benchmark's compressor for each strategy, and the tests' matrix all come from this dict and the
-facts each class declares. Adding a strategy is one module, one line here and a preset.
+facts each class (and its prompt compressor) declares. Adding a strategy is one module, one line here
+and a preset.
 """
 
 import math
 
-from cache import HEAD_CAPACITY, SHARED_PARAMS, KVCache, Param, resolve_recent_window
+import torch
+
+from cache import (
+    HEAD_CAPACITY,
+    SHARED_PARAMS,
+    KVCache,
+    Param,
+    layer_cache_lengths,
+    layer_strategies,
+    resolve_recent_window,
+)
 from prompt_compression import PromptCompressor
 from strategies.debug import DebugCache
 from strategies.expected_attention import ExpectedAttentionCache
@@ -54,8 +65,14 @@ def strategy_class(name: str) -> type[KVCache]:
 
 
 def compressors() -> dict[str, type[PromptCompressor]]:
-    """Prompt compressors by name: each strategy's own, under the strategy's name."""
-    return {n: c.prompt_compressor_class for n, c in STRATEGIES.items() if c.prompt_compressor_class}
+    """Prompt compressors by name: each strategy's own, under the strategy's name and its own `name`."""
+    found = {}
+    for name, cls in STRATEGIES.items():
+        compressor = cls.prompt_compressor_class
+        if compressor is not None:
+            found[name] = compressor
+            found.setdefault(compressor.name or name, compressor)
+    return found
 
 
 def compressor_class(name: str) -> type[PromptCompressor]:
@@ -95,14 +112,21 @@ def baseline_strategies() -> list[str]:
 
 
 def hyperparameters() -> list[Param]:
-    """Every hyper-parameter a registered strategy reads, shared ones first; one per name."""
+    """Every hyper-parameter a registered strategy or prompt compressor reads, shared ones first; one
+    per name."""
     params = {p.name: p for p in SHARED_PARAMS}
-    for cls in STRATEGIES.values():
+    for name, cls in [*STRATEGIES.items(), *compressors().items()]:
         for p in cls.params:
             if p.name in params and params[p.name] != p:
-                raise ValueError(f"strategy '{cls.name}' redeclares --{p.name} differently; share one Param")
+                raise ValueError(f"'{name}' redeclares --{p.name} differently; share one Param")
             params[p.name] = p
     return list(params.values())
+
+
+def param_users(param: Param) -> list[str]:
+    """The strategies and compressors that read a hyper-parameter of their own."""
+    users = [n for n, c in STRATEGIES.items() if param in c.params]
+    return users + [n for n, c in compressors().items() if param in c.params and n not in users]
 
 
 def new_cache(
@@ -112,9 +136,11 @@ def new_cache(
     with prompt compressor `compressor`; `debug_<name>` spans `seq_len` and simulates `<name>`."""
     kwargs = {p.name: cache_kwargs[p.name] for p in hyperparameters() if p.name in cache_kwargs}
     kwargs.update(cache_kwargs.get("tokenizer_kwargs") or {})
-    kwargs["prompt_compressor"] = compressor_class(compressor)(
+    compressor_cls = compressor_class(compressor)
+    kwargs["prompt_compressor"] = compressor_cls(
         global_tokens=kwargs["global_tokens"],
         recent_window=resolve_recent_window(kwargs["recent_window"], length, kwargs["global_tokens"]),
+        **{p.name: kwargs[p.name] for p in compressor_cls.params if p.name in kwargs},
     )
     adaptive = kwargs.get("head_budgets") == "adaptive"
     capacity = min(seq_len, 8 * math.ceil(HEAD_CAPACITY * length / 8)) if adaptive else None
@@ -122,3 +148,28 @@ def new_cache(
     if name.startswith(DEBUG_PREFIX):
         return DebugCache(*shape[:2], shape[2], seq_len, dtype, simulated=cache, **kwargs)
     return cache
+
+
+def create_caches(
+    cache_kwargs: dict,
+    n_layer: int,
+    n_heads: int,
+    head_dim: int,
+    prompt_length: int,
+    max_new_tokens: int,
+    device,
+    dtype: torch.dtype,
+    max_batch_size: int = 1,
+) -> list[KVCache]:
+    """One cache per layer, sized and typed by the per-layer patterns."""
+    lengths = layer_cache_lengths(cache_kwargs, n_layer, prompt_length, max_new_tokens)
+    seq_len = prompt_length + max_new_tokens
+    caches = []
+    for length, (strategy, compressor) in zip(lengths, layer_strategies(cache_kwargs, n_layer)):
+        if length <= cache_kwargs["global_tokens"]:
+            raise ValueError(f"--global_tokens {cache_kwargs['global_tokens']} exceeds a cache of {length} slots")
+        cache = new_cache(
+            strategy, compressor, (max_batch_size, n_heads, head_dim), length, seq_len, dtype, cache_kwargs
+        )
+        caches.append(cache.to(device))
+    return caches

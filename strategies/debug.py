@@ -2,8 +2,8 @@
 
 import torch
 
+from attention import attention_probs
 from cache import KVCache
-from model import attention_probs
 from strategies.full import FullCache
 
 

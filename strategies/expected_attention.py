@@ -15,9 +15,10 @@ import math
 import torch
 from torch import Tensor
 
+from attention import rope_frequencies
 from cache import KVCache
-from model import rope_frequencies
 from prompt_compression import PromptCompressor
+from quantization_utils import dense
 
 FUTURE_POSITIONS = 512
 QUERY_WINDOW = 128
@@ -75,15 +76,14 @@ class ExpectedAttentionCompressor(PromptCompressor):
     head_specific = True
     rope_frequencies: Tensor | None = None  # set with the model's caches; without: RoPE base 10000
 
-    def score(self, key_pos, k, v, query):
+    def score(self, key_pos, k, v, query, query_pos):
         frequencies = self.rope_frequencies
         if frequencies is None:
             frequencies = rope_frequencies(k.shape[-1], 10000.0).float().to(k.device)
-        positions = key_pos.reshape(-1, key_pos.shape[-1])[0, -query.shape[2] :]
-        samples = query_samples(query, positions, frequencies, k.shape[1])
+        samples = query_samples(query, query_pos, frequencies, k.shape[1])
         mean = samples.mean(dim=2)
         second = samples.transpose(-1, -2) @ samples / samples.shape[2]
-        return expected_attention(key_pos, k, v, mean, second, positions[-1:] + 1, frequencies)
+        return expected_attention(key_pos, k, v, mean, second, query_pos[-1:] + 1, frequencies)
 
 
 class ExpectedAttentionCache(KVCache):
@@ -122,12 +122,11 @@ class ExpectedAttentionCache(KVCache):
         self.record_queries(input_pos, query)
         return super().attend_chunk(input_pos, query, k, v, token_ids)
 
-    def score(self, input_pos):
+    def score(self, key_pos, k, v, query, query_pos):
         weight = self.query_weight.clamp(min=1).view(-1, 1, 1)
         mean = self.query_sum.permute(1, 2, 0) / weight
         second = self.query_outer_sum.permute(2, 3, 0, 1) / weight.unsqueeze(-1)
-        keys, values = self.dense()
-        return expected_attention(self.pos, keys, values, mean, second, input_pos, self.rope_frequencies)
+        return expected_attention(key_pos, dense(k), dense(v), mean, second, query_pos, self.rope_frequencies)
 
     def reset_state(self):
         self.query_sum.zero_()

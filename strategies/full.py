@@ -28,6 +28,6 @@ class FullCache(KVCache):
     prompt_compressor_class = FullCompressor
     shared_kwargs = ("cache_bits",)
 
-    def eviction_slots(self, input_pos):
+    def eviction_slots(self, input_pos, query=None):
         """Slot i holds position i: no scoring needed on the hot path."""
         return input_pos.view(-1, 1, 1).expand(*self.pos.shape[:2], 1)

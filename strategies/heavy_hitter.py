@@ -1,42 +1,43 @@
 """heavy_hitter (H2O / Scissorhands): keeps the tokens that received the most attention, per head.
 
-Its prompt compressor is SnapKV. The prompt-attention numerics below serve this strategy alone: at
-prefill every kept key's score is the attention it received from the whole prompt, computed without
-materializing heads x T x T.
+Its prompt compressor is SnapKV (also registered as `snapkv`). At prefill every kept key's score is
+the attention it received from the whole prompt (attention.prompt_attention).
 """
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from attention import pooled, prompt_attention, window_attention
 from cache import KVCache, Param
-from one_token import matmul_dtype
 from prompt_compression import PromptCompressor
 
-# SnapKV smooths the observation window's attention with a 1-D pooling of this width.
-SNAPKV_POOLING_KERNEL = 7
-# Query rows per chunk when prefill needs attention probabilities: bounds memory at
-# PREFILL_CHUNK_ELEMENTS floats instead of heads x seq x seq.
-PREFILL_CHUNK_ELEMENTS = 1 << 22
+
+def check_odd(width: int) -> None:
+    if width % 2 == 0:
+        raise ValueError(f"--snapkv_pooling {width} is even; give an odd width, so the pooling is centred")
 
 
 class SnapKVCompressor(PromptCompressor):
-    """SnapKV: tokens the last `recent_window` queries (the observation window) attend to most, per head."""
+    """SnapKV: the tokens that the queries of an observation window (the last ones) attend to most,
+    per head, smoothed by pooling over neighbours."""
 
+    name = "snapkv"
     head_specific = True
+    params = (
+        Param(
+            "snapkv_window",
+            int,
+            None,
+            "queries of SnapKV's observation window (none = the recent window)",
+            minimum=1,
+        ),
+        Param("snapkv_pooling", int, 7, "width of SnapKV's average pooling of the scores", minimum=1, check=check_odd),
+    )
 
-    def score(self, key_pos, k, v, query):
-        bsz, n_head, _, head_dim = query.shape
-        n_kv = k.shape[1]
-        window = max(1, min(self.recent_window, query.shape[2]))
-        q = query[:, :, -window:].float().reshape(bsz, n_kv, n_head // n_kv * window, head_dim)
-        scores = q @ k.float().transpose(-1, -2) / math.sqrt(head_dim)
-        query_pos = key_pos[..., -window:].unsqueeze(-1)  # the queries are the last candidates
-        visible = ((key_pos.unsqueeze(-2) <= query_pos) & (key_pos.unsqueeze(-2) >= 0)).repeat(1, 1, n_head // n_kv, 1)
-        attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=2)
-        return F.avg_pool1d(attn, SNAPKV_POOLING_KERNEL, stride=1, padding=SNAPKV_POOLING_KERNEL // 2)
+    def score(self, key_pos, k, v, query, query_pos):
+        window = self.recent_window if self.snapkv_window is None else self.snapkv_window
+        attn = window_attention(key_pos, k, query, window).flatten(2, 3).mean(dim=2)
+        return pooled(attn, self.snapkv_pooling)
 
 
 class HeavyHitterCache(KVCache):
@@ -67,7 +68,7 @@ class HeavyHitterCache(KVCache):
         # Each sequence's own cache length: in a batch a row's slots past it are padding.
         self.register_buffer("own_slots", torch.full((self.pos.shape[0],), self.pos.shape[2]), persistent=False)
 
-    def score(self, input_pos):
+    def score(self, key_pos, k, v, query, query_pos):
         return self.attn_history.sum(-1) / self.attn_counter.clamp(min=1)
 
     def prefill_state(self, input_pos, k, v, query, keep):
@@ -127,103 +128,3 @@ def keep_top_fraction(attn: Tensor, fraction: float, filled: Tensor, slots: Tens
     ranked = attn.masked_fill(filled == 0, -1.0).sort(dim=-1, descending=True).values
     threshold = ranked.gather(-1, k - 1)
     return torch.where(attn >= threshold, attn, torch.zeros_like(attn))
-
-
-def cpu_flash_attention(
-    query: Tensor, k: Tensor, v: Tensor, scale: float | None = None, causal: bool = True
-) -> tuple[Tensor, Tensor]:
-    """Attention (heads already repeated for GQA) and each query's log-sum-exp [B, H, T]: the kernel
-    behind SDPA on CPU, bit-identical to it, which also returns the log-sum-exp."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, causal, scale=scale)[:2]
-
-
-def prompt_attention(
-    query: Tensor, k: Tensor, v: Tensor, thresholding: bool = False, keep: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """Causal attention over the prompt: (output [B, H, T, D], mean attention that each kept key
-    (indices `keep` [B, H_kv, n]; None: every key) received from the queries that see it [B, H_kv, n]).
-
-    Never materializes heads x T x T. On CPU the fused kernel returns each query's log-sum-exp, so
-    a probability is exp(score - lse): for kept keys that is one pass over the n kept keys. For all
-    keys, the attention key j receives, sum over i >= j of exp(q_i.k_j / sqrt(d) - lse_i), is itself
-    a log-sum-exp: that of a second fused causal pass with keys and queries swapped, the sequence
-    reversed, and -lse_i appended to query i against a 1 appended to each key (split in two parts
-    so bfloat16 keeps its precision). Thresholding counts probabilities one by one, so it (and
-    devices without that kernel) takes the chunked softmax pass.
-    """
-    if query.device.type != "cpu" or thresholding:
-        out, received = chunked_prompt_attention(query, k, v, thresholding)
-        return out, (received if keep is None else received.gather(2, keep))
-    bsz, n_head, seqlen, head_dim = query.shape
-    group = n_head // k.shape[1]
-    k_rep = k.repeat_interleave(group, dim=1)
-    out, lse = cpu_flash_attention(query, k_rep, v.repeat_interleave(group, dim=1))
-    if keep is not None:
-        return out, attention_received_by(
-            query, k.gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, head_dim)), keep, lse
-        )
-    lse = lse.unsqueeze(-1) * -math.sqrt(head_dim)  # the kernel scales every score by 1/sqrt(head_dim)
-    lse_hi = lse.to(query.dtype)
-    lse_lo = (lse - lse_hi.float()).to(query.dtype)
-    ones = torch.ones_like(lse_hi)
-    keys_as_queries = torch.cat([k_rep, ones, ones], dim=-1).flip(2)
-    queries_as_keys = torch.cat([query, lse_hi, lse_lo], dim=-1).flip(2)
-    scale = 1.0 / math.sqrt(head_dim)
-    received_lse = cpu_flash_attention(keys_as_queries, queries_as_keys, torch.zeros_like(queries_as_keys), scale)[1]
-    received = received_lse.flip(2).exp().view(bsz, -1, group, seqlen).sum(2)
-    return out, received / (group * torch.arange(seqlen, 0, -1, device=k.device).float())
-
-
-@torch.compiler.disable  # a Python loop over the prompt's chunks: compiling it would unroll every chunk
-def attention_received_by(query: Tensor, keys: Tensor, key_pos: Tensor, lse: Tensor) -> Tensor:
-    """Mean attention [B, H_kv, n] that keys [B, H_kv, n, D] at prompt positions key_pos [B, H_kv, n]
-    (ascending, as compressors return them) received, from each query's log-sum-exp lse [B, H, T]
-    over the whole prompt: exp(q.k / sqrt(d) - lse), one float32 matmul with -lse appended to q and
-    1 to k, summed over the queries that see the key, in query chunks of PREFILL_CHUNK_ELEMENTS.
-    A chunk skips the keys that come after all of its queries."""
-    bsz, n_head, seqlen, head_dim = query.shape
-    n_kv, n_keys = keys.shape[1], keys.shape[2]
-    group = n_head // n_kv
-    q = (query.float() * (1.0 / math.sqrt(head_dim))).view(bsz, n_kv, group, seqlen, head_dim)
-    q = torch.cat([q, -lse.view(bsz, n_kv, group, seqlen, 1)], dim=-1)
-    keys_t = torch.cat([keys.float(), keys.new_ones(bsz, n_kv, n_keys, 1, dtype=torch.float)], dim=-1)
-    keys_t = keys_t.transpose(-1, -2).unsqueeze(2)
-    first_seen = key_pos.view(bsz, n_kv, 1, 1, n_keys)
-    received = torch.zeros(bsz, n_kv, n_keys, device=keys.device)
-    chunk = max(1, PREFILL_CHUNK_ELEMENTS // (n_head * n_keys))
-    for start in range(0, seqlen, chunk):
-        end = min(start + chunk, seqlen)
-        seen = int((key_pos < end).sum(-1).max())
-        probs = (q[:, :, :, start:end] @ keys_t[..., :seen]).exp_()
-        query_pos = torch.arange(start, end, device=keys.device).view(-1, 1)
-        received[..., :seen] += probs.masked_fill_(query_pos < first_seen[..., :seen], 0.0).sum(dim=(2, 3))
-    return received / (group * (seqlen - key_pos).float())
-
-
-@torch.compiler.disable  # a Python loop over the prompt's chunks: compiling it would unroll every chunk
-def chunked_prompt_attention(query: Tensor, k: Tensor, v: Tensor, thresholding: bool) -> tuple[Tensor, Tensor]:
-    """prompt_attention as SDPA plus a softmax pass over query chunks: memory stays bounded by
-    PREFILL_CHUNK_ELEMENTS, and a query that sees one key gives it exactly 1 (thresholds compare)."""
-    bsz, n_head, seqlen, head_dim = query.shape
-    n_kv = k.shape[1]
-    group = n_head // n_kv
-    out = F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True)
-    work = matmul_dtype(k)
-    q = (query * (1.0 / math.sqrt(head_dim))).to(work).view(bsz, n_kv, group, seqlen, head_dim)
-    keys_t = k.transpose(-1, -2).to(work)
-    received = torch.zeros(bsz, n_kv, seqlen, device=k.device)
-    chunk = max(1, PREFILL_CHUNK_ELEMENTS // (n_head * seqlen))
-    key_pos = torch.arange(seqlen, device=k.device)
-    for start in range(0, seqlen, chunk):
-        end = min(start + chunk, seqlen)  # a chunk's queries see no key past its last row
-        rows = end - start
-        q_rows = q[:, :, :, start:end].reshape(bsz, n_kv, group * rows, head_dim)
-        scores = (q_rows @ keys_t[..., :end]).view(bsz, n_kv, group, rows, end).float()
-        future = key_pos[start:end].view(1, -1) > key_pos[start:end].view(-1, 1)
-        scores[..., start:end].masked_fill_(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if thresholding:
-            probs = (probs >= 1.0 / (key_pos[start:end] + 1).view(-1, 1).float()).float()
-        received[..., :end] += probs.sum(dim=(2, 3))
-    received /= group * (seqlen - key_pos).float()
-    return out, received

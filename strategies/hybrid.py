@@ -6,6 +6,7 @@ import math
 import torch
 from torch import Tensor
 
+from attention import window_attention
 from cache import KVCache, Param
 
 HYBRID_POLICY_PARTS = ("special", "punc", "heavy_hitter", "window", "full")
@@ -166,11 +167,5 @@ class HybridCache(KVCache):
 
 def observation_attention(query: Tensor, k: Tensor, window: int) -> Tensor:
     """Attention [B, H_kv, W, T] of the last `window` prompt queries, averaged over each KV head's query heads."""
-    bsz, n_head, seqlen, head_dim = query.shape
-    n_kv = k.shape[1]
-    window = max(1, min(window, seqlen))
-    q = query[:, :, -window:].float().reshape(bsz, n_kv, n_head // n_kv, window, head_dim)
-    scores = q @ k.float().unsqueeze(2).transpose(-1, -2) / math.sqrt(head_dim)
-    rows = torch.arange(seqlen - window, seqlen, device=k.device)
-    causal = torch.arange(seqlen, device=k.device).view(1, -1) <= rows.view(-1, 1)
-    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).mean(dim=2)
+    prompt_pos = torch.arange(k.shape[2], device=k.device).view(1, 1, -1)
+    return window_attention(prompt_pos, k, query, window).mean(dim=2)

@@ -1,17 +1,23 @@
 """keep_it_odd: a toy to copy when adding a strategy. Even positions are evicted before odd ones.
 
-A strategy is this file, one line in `strategies/__init__.py` and a preset in `cache_configs/`.
+A strategy is this file, one line in `strategies/__init__.py` and a preset in `cache_configs/`. Its
+prompt compressor (which prompt tokens enter a cache shorter than the prompt) and its cache (which
+slot a decode step overwrites) score with one signature; here with one function.
 """
 
 from cache import KVCache
 from prompt_compression import PromptCompressor
 
 
-class KeepItOddCompressor(PromptCompressor):
-    """At prefill, when the prompt is longer than the cache: odd positions first."""
+def odd_first(key_pos, k, v, query, query_pos):
+    """Odd positions score 1, even ones 0: the lowest score goes first."""
+    return (key_pos % 2).float()
 
-    def score(self, key_pos, k, v, query):
-        return (key_pos % 2).float()
+
+class KeepItOddCompressor(PromptCompressor):
+    """At prefill, when the prompt is longer than the cache: odd positions are kept first."""
+
+    score = staticmethod(odd_first)
 
 
 class KeepItOddCache(KVCache):
@@ -19,6 +25,4 @@ class KeepItOddCache(KVCache):
 
     name = "keep_it_odd"
     prompt_compressor_class = KeepItOddCompressor
-
-    def score(self, input_pos):
-        return (self.pos % 2).float()
+    score = staticmethod(odd_first)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from cache import KVCache
 from prompt_compression import PromptCompressor
+from quantization_utils import dense
 
 
 def key_difference(key_pos: Tensor, k: Tensor) -> Tensor:
@@ -25,8 +26,8 @@ class KeyDiffCompressor(PromptCompressor):
 
     head_specific = True
 
-    def score(self, key_pos, k, v, query):
-        return key_difference(key_pos, k)
+    def score(self, key_pos, k, v, query, query_pos):
+        return key_difference(key_pos, dense(k))
 
 
 class KeyDiffCache(KVCache):
@@ -37,5 +38,4 @@ class KeyDiffCache(KVCache):
     natural_compressor = "keydiff"
     prompt_compressor_class = KeyDiffCompressor
 
-    def score(self, input_pos):
-        return key_difference(self.pos, self.dense()[0])
+    score = KeyDiffCompressor.score

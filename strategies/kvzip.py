@@ -13,11 +13,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
+from attention import attention_and_lse, score_dtype
 from cache import KVCache
-from one_token import matmul_dtype
-from strategies.heavy_hitter import cpu_flash_attention
 
 REPEAT_REQUEST = "\n\nRepeat the previous context exactly.\n"
 SCORE_BLOCK = 128  # query rows per score product: 3 KV heads x 4K context is 6 MiB of float32 scores
@@ -39,7 +37,7 @@ class KVzipCache(KVCache):
         self.register_buffer("max_received", torch.zeros(self.pos.shape, dtype=torch.float32))
         self.awaiting = None  # the buffers of the budget's size while the whole context is held
 
-    def score(self, input_pos):
+    def score(self, key_pos, k, v, query, query_pos):
         return self.max_received
 
     def attend_prompt(self, input_pos, query, k, v, token_ids=None):
@@ -87,7 +85,7 @@ class KVzipCache(KVCache):
         lse = torch.logaddexp(lse_context, lse_chunk)
         out = out_context.float() * (lse_context - lse).exp().unsqueeze(-1)
         out += out_chunk.float().reshape(out.shape) * (lse_chunk - lse).exp().unsqueeze(-1)
-        work = matmul_dtype(q)
+        work = score_dtype(q)
         neg_lse = -lse.unsqueeze(-1)
         high = neg_lse.to(work)  # in two parts, so that half precision keeps the log-sum-exp's
         scaled = q.to(work) * (1.0 / math.sqrt(head_dim))
@@ -123,15 +121,3 @@ class KVzipCache(KVCache):
         if self.awaiting is not None:  # a prefill stopped before its reconstruction pass
             self.narrow(self.awaiting, self.pos.new_zeros(*self.pos.shape[:2], 0, dtype=torch.long))
             self.awaiting = None
-
-
-def attention_and_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> tuple[Tensor, Tensor]:
-    """Attention output [B, H, T, D] and the log-sum-exp of each query's scaled scores [B, H, T]; on CPU
-    the fused kernel (no probability matrix), elsewhere from the scores."""
-    if q.device.type == "cpu":
-        return cpu_flash_attention(q, k, v, causal=causal)
-    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if causal:
-        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(), -math.inf)
-    lse = scores.logsumexp(dim=-1)
-    return ((scores - lse.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse

@@ -12,7 +12,7 @@ class L2Compressor(PromptCompressor):
 
     head_specific = True
 
-    def score(self, key_pos, k, v, query):
+    def score(self, key_pos, k, v, query, query_pos):
         norm = k.float().norm(dim=-1)
         candidate = (key_pos >= 0).expand_as(norm)
         mean = (norm * candidate).sum(-1, keepdim=True) / candidate.sum(-1, keepdim=True).clamp(min=1)
@@ -29,7 +29,7 @@ class L2Cache(KVCache):
         super().__init__(*args, **kwargs)
         self.register_buffer("key_norm", torch.zeros(self.pos.shape, dtype=torch.float32))
 
-    def score(self, input_pos):
+    def score(self, key_pos, k, v, query, query_pos):
         return -self.key_norm
 
     def insert_state(self, slots, k, state):

@@ -22,7 +22,7 @@ def counter_uniform(seed: Tensor, position: Tensor, step: Tensor) -> Tensor:
 
 
 class RandomCompressor(PromptCompressor):
-    def score(self, key_pos, k, v, query):
+    def score(self, key_pos, k, v, query, query_pos):
         return torch.rand(1, 1, k.shape[2], device=k.device)
 
 
@@ -36,9 +36,9 @@ class RandomCache(KVCache):
         self.register_buffer("seed", torch.zeros(self.pos.shape[0], dtype=torch.long), persistent=False)
         self.reset_state()
 
-    def score(self, input_pos):
-        seed, step = self.seed.view(-1, 1, 1), input_pos.view(-1, 1, 1)
-        return counter_uniform(seed, self.pos[:, :1], step)
+    def score(self, key_pos, k, v, query, query_pos):
+        seed, step = self.seed.view(-1, 1, 1), query_pos.view(-1, 1, 1)
+        return counter_uniform(seed, key_pos[:, :1], step)
 
     def reset_state(self):
         """Each sequence draws its seed from torch's generator (--seed makes runs repeatable)."""

@@ -7,11 +7,10 @@ by the attention of its last query. (Ranked per head instead, on the embedded mo
 of a context alone keeps no needle at a 25% budget.)
 """
 
-import math
-
 import torch
 from torch import Tensor
 
+from attention import window_attention
 from cache import KVCache
 from prompt_compression import PromptCompressor
 
@@ -19,18 +18,13 @@ from prompt_compression import PromptCompressor
 def last_query_attention(key_pos: Tensor, k: Tensor, query: Tensor) -> Tensor:
     """Attention [B, 1, S] from the last query to keys k [B, H_kv, S, D] at key_pos (-1: empty),
     averaged over all query heads."""
-    bsz, n_head, _, head_dim = query.shape
-    n_kv = k.shape[1]
-    q = query[:, :, -1].float().view(bsz, n_kv, n_head // n_kv, head_dim)
-    scores = q @ k.float().transpose(-1, -2) / math.sqrt(head_dim)
-    scores = scores.masked_fill((key_pos < 0).unsqueeze(-2), float("-inf"))
-    return torch.softmax(scores, dim=-1).mean(dim=(1, 2)).unsqueeze(1)
+    return window_attention(key_pos, k, query, 1).mean(dim=(1, 2, 3)).unsqueeze(1)
 
 
 class TovaCompressor(PromptCompressor):
     """The attention of the last query, averaged over the heads."""
 
-    def score(self, key_pos, k, v, query):
+    def score(self, key_pos, k, v, query, query_pos):
         return last_query_attention(key_pos, k, query)
 
 
@@ -44,7 +38,7 @@ class TovaCache(KVCache):
         super().__init__(*args, **kwargs)
         self.register_buffer("last_attention", torch.zeros(self.pos.shape, dtype=torch.float32))
 
-    def score(self, input_pos):
+    def score(self, key_pos, k, v, query, query_pos):
         return self.last_attention
 
     def prefill_state(self, input_pos, k, v, query, keep):

@@ -2,8 +2,8 @@
 
 import torch
 
+from cpu_backend import one_token_projections
 from model import ModelArgs, Transformer
-from one_token import one_token_projections
 
 TINY_CONFIG = dict(
     block_size=256,

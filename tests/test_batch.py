@@ -12,12 +12,13 @@ import pytest
 import torch
 from helpers import tiny_prompt, tiny_transformer
 
+import cpu_backend
 import generation
 import strategies
 from cache_args import check_compatibility, default_cache_kwargs
+from cpu_backend import HALF_MATMUL_IS_EMULATED
 from generate import PROMPT_DIR
 from generation import DEFAULT_CHECKPOINT, load_model
-from one_token import HALF_KERNELS_MISSING
 from tokenizer import get_tokenizer
 
 ROOT = PROMPT_DIR.parent
@@ -77,12 +78,13 @@ def test_each_prompt_of_a_batch_decodes_as_it_does_alone(name, tiny):
         assert max(s["compression_ratio"] for _, s in alone) > 0.5  # the rows did compress
 
 
-@pytest.mark.skipif(HALF_KERNELS_MISSING is not None, reason=f"no half_kernels.cpp: {HALF_KERNELS_MISSING}")
+@pytest.mark.skipif(not HALF_MATMUL_IS_EMULATED, reason="the half kernels serve CPUs that emulate half precision")
 @pytest.mark.parametrize("name", strategies.strategy_names())
 def test_a_bfloat16_batch_decodes_as_alone_through_the_half_kernels(name):
-    """Where half precision is emulated, a decode step's projections and attention do not depend on the
-    other sequences of the batch, nor on the batch cache's slots past a sequence's own."""
-    model = tiny_transformer(seed=0, dtype=torch.bfloat16)
+    """Where half precision is emulated, a decode step's projections and attention (half_kernels.cpp
+    where built) do not depend on the other sequences of the batch, nor on the batch cache's slots past
+    a sequence's own."""
+    model = cpu_backend.apply(tiny_transformer(seed=0, dtype=torch.bfloat16))
     prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
     assert_same(*alone_and_batched(model, compressing_kwargs(name), prompts))
 
@@ -159,7 +161,7 @@ def test_compiled_batch_decodes_as_alone(tiny):
 def test_compiled_bfloat16_batch_decodes_as_eager():
     """A bfloat16 batch multiplies its rows in half_kernels.cpp where half precision is emulated (a custom
     op that inductor calls); compiled steps round as eager ones do."""
-    model = tiny_transformer(seed=0, dtype=torch.bfloat16)
+    model = cpu_backend.apply(tiny_transformer(seed=0, dtype=torch.bfloat16))
     steps = {**generation.STEPS, "decode": generation.compile_steps(generation.STEPS, torch.device("cpu"))["decode"]}
     prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS[:4])]
     kwargs = compressing_kwargs("l2")

@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
+import attention
 import strategies
-import strategies.heavy_hitter as heavy_hitter_module
+from attention import attention_with_probs
 from cache import layer_cache_lengths, layer_strategies, resolve_recent_window
 from cache_args import check_cache_lengths, check_compatibility, default_cache_kwargs
-from model import attention_with_probs
 from quantization_utils import QuantizedTensor, dequantize
 from strategies.heavy_hitter import HeavyHitterCache, keep_top_fraction
 
@@ -120,7 +120,7 @@ def test_heavy_hitter_evicts_least_mean_attention_per_head():
     feed_attention(cache, HH_STEPS)
     torch.testing.assert_close(cache.attn_counter[0], torch.tensor([[4.0, 3, 2, 1]] * 2))
     expected_means = torch.tensor([[2.0 / 4, 1.4 / 3, 0.45 / 2, 0.15], [1.95 / 4, 0.85 / 3, 0.7 / 2, 0.5]])
-    torch.testing.assert_close(cache.score(torch.tensor([4]))[0], expected_means)
+    torch.testing.assert_close(cache.score(cache.pos, *cache.read(), None, torch.tensor([4]))[0], expected_means)
     decode(cache, 4)
     assert held(cache, 0) == {0, 1, 2, 4}
     assert held(cache, 1) == {0, 2, 3, 4}
@@ -136,7 +136,10 @@ def test_heavy_hitter_windowed_history_forgets_old_attention():
     windowed = make_cache("heavy_hitter", length=4, heads=1, global_tokens=1, recent_window=0, history_window_size=2)
     feed_attention(whole, steps)
     feed_attention(windowed, steps)
-    torch.testing.assert_close(windowed.score(torch.tensor([4]))[0, 0, 1:], torch.tensor([0.1, 0.45, 0.3]))
+    torch.testing.assert_close(
+        windowed.score(windowed.pos, *windowed.read(), None, torch.tensor([4]))[0, 0, 1:],
+        torch.tensor([0.1, 0.45, 0.3]),
+    )
     decode(whole, 4)
     decode(windowed, 4)
     assert held(whole) == {0, 1, 2, 4}
@@ -151,7 +154,9 @@ def test_heavy_hitter_thresholding_counts_uniform_or_above():
     binary = make_cache("heavy_hitter", length=4, heads=1, global_tokens=1, recent_window=0, attn_thresholding=True)
     feed_attention(raw, steps)
     feed_attention(binary, steps)
-    torch.testing.assert_close(binary.score(torch.tensor([4]))[0, 0], torch.tensor([0.5, 2 / 3, 1 / 2, 1.0]))
+    torch.testing.assert_close(
+        binary.score(binary.pos, *binary.read(), None, torch.tensor([4]))[0, 0], torch.tensor([0.5, 2 / 3, 1 / 2, 1.0])
+    )
     decode(raw, 4)
     decode(binary, 4)
     assert held(raw) == {0, 1, 2, 4}
@@ -382,18 +387,18 @@ def test_prompt_attention_matches_brute_force_and_sdpa(thresholding, monkeypatch
     q, k, v = (torch.randn(1, h, 13, HEAD_DIM, generator=g) for h in (4, 2, 2))
     expected = brute_force_attention_received(q, k, thresholding)
     expected_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    results = [heavy_hitter_module.prompt_attention(q, k, v, thresholding)]
+    results = [attention.prompt_attention(q, k, v, thresholding)]
     for chunk_rows in (13, 3):
-        monkeypatch.setattr(heavy_hitter_module, "PREFILL_CHUNK_ELEMENTS", 4 * 13 * chunk_rows)
-        results.append(heavy_hitter_module.chunked_prompt_attention(q, k, v, thresholding))
+        monkeypatch.setattr(attention, "PREFILL_CHUNK_ELEMENTS", 4 * 13 * chunk_rows)
+        results.append(attention.chunked_prompt_attention(q, k, v, thresholding))
     for out, received in results:
         torch.testing.assert_close(received, expected)
         torch.testing.assert_close(out, expected_out)
     # kept keys only (each KV head its own, in position order), in one chunk and in chunks of 2 queries
     keep = torch.tensor([[[0, 3, 4, 9, 12], [1, 2, 7, 8, 12]]])
     for chunk_rows in (13, 2):
-        monkeypatch.setattr(heavy_hitter_module, "PREFILL_CHUNK_ELEMENTS", 4 * 5 * chunk_rows)
-        out, received = heavy_hitter_module.prompt_attention(q, k, v, thresholding, keep)
+        monkeypatch.setattr(attention, "PREFILL_CHUNK_ELEMENTS", 4 * 5 * chunk_rows)
+        out, received = attention.prompt_attention(q, k, v, thresholding, keep)
         torch.testing.assert_close(received, expected.gather(2, keep))
         torch.testing.assert_close(out, expected_out)
 
@@ -404,10 +409,10 @@ def test_prompt_attention_statistics_keep_their_precision_in_bfloat16():
     q, k, v = (torch.randn(1, h, 300, HEAD_DIM, generator=g) for h in (4, 2, 2))
     q = q * 3  # peaked attention: the log-sum-exp is far from 0
     expected = brute_force_attention_received(q.bfloat16().double(), k.bfloat16().double(), False).float()
-    received = heavy_hitter_module.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())[1]
+    received = attention.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())[1]
     torch.testing.assert_close(received, expected, rtol=1e-3, atol=0)
     keep = torch.arange(0, 300, 7).view(1, 1, -1).expand(1, 2, -1)
-    received = heavy_hitter_module.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), keep=keep)[1]
+    received = attention.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), keep=keep)[1]
     torch.testing.assert_close(received, expected.gather(2, keep), rtol=1e-3, atol=0)
 
 
@@ -431,7 +436,7 @@ def test_heavy_hitter_state_after_compressed_prefill(compressor):
     """Whatever the compressor, the cache holds the kept tokens with their prefill attention."""
     cache = make_cache("heavy_hitter", length=8, global_tokens=1, recent_window=2, compressor=compressor)
     q, k, v = prefill(cache, 20, n_query_heads=4)
-    received = heavy_hitter_module.prompt_attention(q, k, v)[1]
+    received = attention.prompt_attention(q, k, v)[1]
     keep = cache.pos[0].long()
     assert (keep.diff(dim=-1) > 0).all() and {0, 18, 19} <= held(cache, 0)
     torch.testing.assert_close(cache.attn_history[0, :, :, 0], received[0].gather(1, keep))
@@ -452,7 +457,7 @@ def test_heavy_hitter_prefill_then_decode_scores_prompt_tokens_by_prefill_attent
     """After a fitting prefill, the first eviction follows the prompt's attention received."""
     cache = make_cache("heavy_hitter", length=6, heads=2, global_tokens=1, recent_window=0, compressor="recent_global")
     q, k, v = prefill(cache, 6, n_query_heads=4)
-    received = heavy_hitter_module.prompt_attention(q, k, v)[1][0]
+    received = attention.prompt_attention(q, k, v)[1][0]
     # decode position 6 with attention 0 everywhere except the new token: scores stay prefill means
     decode(cache, 6, attn=torch.tensor([0.0] * 6))
     for head in range(2):

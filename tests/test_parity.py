@@ -13,9 +13,7 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 from convert_hf_checkpoint import convert_hf_checkpoint, main
-from helpers import packed_copies, tiny_transformer
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -24,14 +22,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-import generation
-import model as model_module
-import one_token
 from cache_args import default_cache_kwargs
 from generation import generate as our_generate
 from generation import load_model
-from model import Linear, ModelArgs
-from one_token import HALF_KERNELS_MISSING, HALF_MATMUL_IS_EMULATED, HALF_ROWS_MAX, ONEDNN_PACKS_BFLOAT16
+from model import ModelArgs
 from tokenizer import get_tokenizer
 
 LOGITS_ATOL = 1e-3
@@ -195,141 +189,6 @@ def test_tiny_greedy_continuation_matches_transformers(tiny):
     ids = tiny_ids(48, seed=2)
     ref = hf_greedy(hf, ids, 16)
     assert our_greedy(ours, ids, 16) == ref, kind
-
-
-def test_one_bfloat16_token_projects_through_the_kernel_that_suits_the_cpu():
-    """A decode step's token goes through half_kernels.cpp where half precision is emulated and it was
-    built, else through torch.mv where it is emulated outside oneDNN, else F.linear: the same projection."""
-    layer = Linear(96, 40, bias=True).to(torch.bfloat16)
-    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
-    y = layer(x)
-    assert y.shape == (1, 1, 40) and y.dtype == torch.bfloat16
-    if HALF_MATMUL_IS_EMULATED and HALF_KERNELS_MISSING is None:
-        assert torch.equal(y.view(1, -1), torch.ops.kvwb.half_rows(x.view(1, -1), layer.weight, layer.bias))
-    elif one_token.BFLOAT16_TOKEN_TAKES_MV:
-        assert torch.equal(y.view(-1), torch.mv(layer.weight, x.view(-1)) + layer.bias)
-    else:
-        assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
-    exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
-    torch.testing.assert_close(y.double(), exact, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.skipif(
-    not ONEDNN_PACKS_BFLOAT16, reason="oneDNN packs bfloat16 weights where the CPU has bf16 instructions"
-)
-@pytest.mark.parametrize(
-    ("n_in", "n_out", "bias"),
-    [(576, 960, True), (576, 576, False), (576, 1536, False), (1536, 576, False), (576, 49152, False)],
-)
-def test_decode_projects_through_the_packed_weights_with_the_plain_weights_values(n_in, n_out, bias):
-    """Packing changes the speed of a decode step's projection, not its values (the embedded model's
-    shapes); the plain weight is zeroed after packing to show which copy each path reads."""
-    torch.manual_seed(0)
-    layer = Linear(n_in, n_out, bias=bias).to(torch.bfloat16).requires_grad_(False)
-    x = torch.randn(1, 1, n_in, dtype=torch.bfloat16)
-    plain = layer(x, decode=True)
-    layer.pack()
-    layer.weight.zero_()
-    assert torch.equal(layer(x, decode=True), plain)
-    from_plain = torch.zeros(n_out, dtype=torch.bfloat16) if layer.bias is None else layer.bias
-    assert torch.equal(layer(x), from_plain.expand(1, 1, -1))  # outside decode: the plain weight
-    assert torch.equal(layer(torch.cat([x, x], dim=1), decode=True), from_plain.expand(1, 2, -1))  # 2 tokens
-    layer.float()  # a cast (or move) drops the packed copy, which would no longer match the weight
-    assert layer.packed_weight is None
-
-
-@pytest.mark.skipif(
-    not ONEDNN_PACKS_BFLOAT16, reason="oneDNN packs bfloat16 weights where the CPU has bf16 instructions"
-)
-def test_weights_are_packed_only_when_the_copy_fits_in_a_quarter_of_free_memory(monkeypatch):
-    model = tiny_transformer(seed=0, dtype=torch.bfloat16)
-    weight_bytes = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, Linear))
-    monkeypatch.setattr(one_token, "free_memory_bytes", lambda: 4 * weight_bytes - 1)
-    one_token.pack_one_token_weights(model)
-    assert not any(packed_copies(model))
-    monkeypatch.setattr(one_token, "free_memory_bytes", lambda: 4 * weight_bytes)
-    one_token.pack_one_token_weights(model)
-    assert all(packed_copies(model))
-    assert model.layers[0].feed_forward.w1.packed_weight is None  # w1 and w3 only in their stacked copy
-
-
-@pytest.mark.skipif(
-    not ONEDNN_PACKS_BFLOAT16, reason="oneDNN packs bfloat16 weights where the CPU has bf16 instructions"
-)
-def test_decode_feed_forward_through_the_stacked_packed_w1_w3_gives_the_separate_products_values():
-    """One oneDNN call for w1 and w3 (the embedded model's shapes) gives each product's values bit for
-    bit; w1 and w3 are zeroed after packing to show that decode reads the stacked copy."""
-    torch.manual_seed(0)
-    feed_forward = model_module.FeedForward(model_module.ModelArgs(dim=576, intermediate_size=1536))
-    feed_forward = feed_forward.to(torch.bfloat16).requires_grad_(False)
-    x = torch.randn(1, 1, 576, dtype=torch.bfloat16)
-    feed_forward.w2.pack()
-    separate = feed_forward(x, decode=True)
-    feed_forward.pack()
-    feed_forward.w1.weight.zero_()
-    feed_forward.w3.weight.zero_()
-    assert torch.equal(feed_forward(x, decode=True), separate)
-    assert torch.equal(feed_forward(x), torch.zeros_like(separate))  # outside decode: the plain weights
-    feed_forward.float()  # a cast (or move) drops the stacked copy too
-    assert feed_forward.packed_weight is None
-
-
-@pytest.mark.skipif(HALF_KERNELS_MISSING is not None, reason=f"no half_kernels.cpp: {HALF_KERNELS_MISSING}")
-@pytest.mark.parametrize("bias", [True, False])
-def test_decode_rows_project_through_half_rows_where_half_precision_is_emulated(bias):
-    """The rows of a batch's decode step, and a prompt of up to HALF_ROWS_MAX tokens, multiply the
-    plain half-precision weight in half_kernels.cpp; a longer prompt the float32 GEMM."""
-    torch.manual_seed(0)
-    layer = Linear(96, 40, bias=bias).to(torch.bfloat16).requires_grad_(False)
-    for shape in ((3, 1, 96), (1, HALF_ROWS_MAX, 96)):
-        x = torch.randn(*shape, dtype=torch.bfloat16)
-        kernel = torch.ops.kvwb.half_rows(x.view(-1, 96), layer.weight, layer.bias).view(*shape[:-1], 40)
-        assert torch.equal(layer(x, decode=True), kernel)
-        assert torch.equal(layer(x), kernel)
-
-
-@pytest.mark.slow
-def test_compiled_batch_feed_forward_rounds_as_eager():
-    """Compiled, a batch's products (half_kernels.cpp where half precision is emulated: a custom op that
-    inductor calls), their rounding to bfloat16 and the SiLU between them give eager's values bit for
-    bit (the embedded model's shapes, 4 rows)."""
-    torch.manual_seed(0)
-    feed_forward = model_module.FeedForward(model_module.ModelArgs(dim=576, intermediate_size=1536))
-    feed_forward = feed_forward.to(torch.bfloat16).requires_grad_(False)
-    step = lambda module, x: module(x, decode=True)  # noqa: E731
-    compiled = generation.compile_steps({"decode": step, "prefill": step}, torch.device("cpu"))["decode"]
-    x = torch.randn(4, 1, 576, dtype=torch.bfloat16)
-    with torch.no_grad():  # as generation runs: freezing takes the weights as constants
-        assert torch.equal(compiled(feed_forward, x), step(feed_forward, x))
-
-
-@pytest.mark.slow
-def test_without_the_half_kernels_compiled_one_token_projection_rounds_as_eager(monkeypatch):
-    """Where half_kernels.cpp is missing (no compiler, a failed build), eager's one-token projection
-    takes the kernel whose sums compiled F.linear repeats (the output layer's shape)."""
-    monkeypatch.setattr(one_token, "HALF_KERNELS_MISSING", "not built")
-    torch.manual_seed(0)
-    layer = Linear(576, 49152, bias=False).to(torch.bfloat16).requires_grad_(False)
-    step = lambda module, x: module(x, decode=True)  # noqa: E731
-    compiled = generation.compile_steps({"decode": step, "prefill": step}, torch.device("cpu"))["decode"]
-    x = torch.randn(1, 1, 576, dtype=torch.bfloat16)
-    with torch.no_grad():
-        assert torch.equal(compiled(layer, x), step(layer, x))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_prompt_projects_through_one_float32_gemm(dtype):
-    """On a CPU without half-precision instructions, a many-token projection is the float32 product
-    of the same values, rounded once: within the dtype's rounding of the exact product."""
-    layer = Linear(96, 40, bias=True).to(dtype)
-    x = torch.randn(1, HALF_ROWS_MAX + 1, 96, dtype=dtype)
-    y = layer(x)
-    assert y.shape == (1, HALF_ROWS_MAX + 1, 40) and y.dtype == dtype
-    exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
-    torch.testing.assert_close(y.double(), exact, rtol=2e-2, atol=2e-2)
-    upcast = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype)
-    if HALF_MATMUL_IS_EMULATED:
-        assert torch.equal(y, upcast)
 
 
 # ---------------------------------------------------------------- the converter itself

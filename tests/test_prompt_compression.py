@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import strategies
-from strategies.heavy_hitter import SNAPKV_POOLING_KERNEL
+
+SNAPKV_POOLING = 7  # the default width of SnapKV's pooling
 
 HEAD_DIM = 16
 N_KV, N_HEAD = 2, 4
@@ -90,9 +91,9 @@ def snapkv_inputs(seqlen=40, targets=(10, 25)):
 
 def test_snapkv_keeps_the_most_attended_key_and_its_pooled_neighbours():
     data = snapkv_inputs(targets=(10, 25))
-    half = SNAPKV_POOLING_KERNEL // 2
+    half = SNAPKV_POOLING // 2
     protected = {0, 1, 36, 37, 38, 39}
-    keep = compress("heavy_hitter", len(protected) + SNAPKV_POOLING_KERNEL, data=data)
+    keep = compress("heavy_hitter", len(protected) + SNAPKV_POOLING, data=data)
     for head in range(N_KV):
         assert set(keep[0, head].tolist()) == protected | set(range(10 - half, 10 + half + 1))
     # with room for one more, the single extra token is from the pooled neighbourhood of 10
@@ -105,8 +106,8 @@ def test_snapkv_keeps_the_most_attended_key_and_its_pooled_neighbours():
 def test_snapkv_is_head_specific():
     _, k, v, q = snapkv_inputs(targets=(10, 25))
     k[0, 1, 10], k[0, 1, 25] = k[0, 1, 25].clone(), k[0, 1, 10].clone()  # KV head 1 now points its queries at 25
-    half = SNAPKV_POOLING_KERNEL // 2
-    keep = compress("heavy_hitter", 6 + SNAPKV_POOLING_KERNEL, data=(torch.arange(40), k, v, q))
+    half = SNAPKV_POOLING // 2
+    keep = compress("heavy_hitter", 6 + SNAPKV_POOLING, data=(torch.arange(40), k, v, q))
     assert set(keep[0, 0].tolist()) - {0, 1, 36, 37, 38, 39} == set(range(10 - half, 10 + half + 1))
     assert set(keep[0, 1].tolist()) - {0, 1, 36, 37, 38, 39} == set(range(25 - half, 25 + half + 1))
 
@@ -114,7 +115,7 @@ def test_snapkv_is_head_specific():
 def test_snapkv_scores_are_pooled_window_attention():
     input_pos, k, v, q = inputs(seqlen=24)
     compressor = strategies.compressor_class("heavy_hitter")(global_tokens=1, recent_window=5)
-    score = compressor.score(input_pos, k, v, q)
+    score = compressor.score(input_pos, k, v, q, input_pos.view(-1)[-q.shape[2] :])
     # brute force: softmax of each of the last 5 queries over the keys it can see, averaged over the
     # window and the query heads of each KV head, then a width-7 average pool (zero padded)
     keys = k.repeat_interleave(N_HEAD // N_KV, dim=1)

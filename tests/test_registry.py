@@ -16,7 +16,8 @@ import generate
 import generation
 import strategies
 from cache import KVCache, Param
-from cache_args import CACHE_CONFIG_DIR, check_compatibility, default_cache_kwargs, load_cache_config
+from cache_args import CACHE_CONFIG_DIR, check_compatibility, default_cache_kwargs, load_cache_config, relevant_kwargs
+from prompt_compression import PromptCompressor
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_LENGTH, NEW_TOKENS = 40, 12
@@ -117,7 +118,7 @@ class Throwaway(KVCache):
         self.throwaway_weight = throwaway_weight
         self.register_buffer("key_sum", torch.zeros(self.pos.shape))
 
-    def score(self, input_pos):
+    def score(self, key_pos, k, v, query, query_pos):
         return self.key_sum.mean(1, keepdim=True) * self.throwaway_weight
 
     def insert_state(self, slots, k, state):
@@ -136,6 +137,55 @@ def test_a_strategy_registered_at_run_time_is_everywhere(monkeypatch, tiny, full
         check_compatibility(default_cache_kwargs(cache_strategy=["throwaway"], throwaway_weight=0))
     check_strategy_with_compressor(tiny, "throwaway", "recent_global")
     assert tiny_generate(tiny, lossless_kwargs("debug_throwaway"))[0] == full_tokens
+
+
+class SpacedCompressor(PromptCompressor):
+    """Registered only inside a test: keeps every `spaced_stride`-th position first."""
+
+    params = (Param("spaced_stride", int, 2, "keep positions divisible by this first", minimum=1),)
+
+    def score(self, key_pos, k, v, query, query_pos):
+        return (key_pos % self.spaced_stride == 0).float()
+
+
+class Spaced(KVCache):
+    name = "spaced"
+    prompt_compressor_class = SpacedCompressor
+
+
+def kept_positions(model, cache_kwargs: dict) -> list[list[int]]:
+    """The positions each layer's cache holds after prefilling a 40-token prompt into 16 slots."""
+    _, caches, _ = generation.prefill_prompt(model, tiny_prompt(40, seed=3), 2, cache_kwargs, generation.STEPS)
+    return [sorted(p for p in cache.pos[0, 0].tolist() if p >= 0) for cache in caches]
+
+
+def test_a_compressor_parameter_registered_at_run_time_is_a_flag_and_changes_what_is_kept(monkeypatch, tiny):
+    monkeypatch.setitem(strategies.STRATEGIES, "spaced", Spaced)
+    help_text = " ".join(generate.build_parser().format_help().split())
+    assert "--spaced_stride" in help_text and "spaced: keep positions divisible by this first" in help_text
+    kwargs = {"cache_strategy": ["spaced"], "prompt_compression_strategy": ["spaced"], "max_cache_length": [16]}
+    kwargs.update(global_tokens=1, recent_window=2)
+    by_two = kept_positions(tiny, default_cache_kwargs(**kwargs, spaced_stride=2))
+    by_five = kept_positions(tiny, default_cache_kwargs(**kwargs, spaced_stride=5))
+    # the global token and the 2 most recent, then multiples of the stride: 13 of the 18 even
+    # positions; all 7 multiples of 5 and 6 others
+    for kept in by_two:
+        assert kept[0] == 0 and kept[-2:] == [38, 39] and all(p % 2 == 0 for p in kept[1:-2])
+    for kept in by_five:
+        assert {0, 5, 10, 15, 20, 25, 30, 35, 38, 39} <= set(kept) and any(p % 2 for p in kept[1:-2])
+    assert relevant_kwargs(default_cache_kwargs(**kwargs, spaced_stride=5))["spaced_stride"] == 5
+    with pytest.raises(ValueError, match="--spaced_stride 0 is too small"):
+        check_compatibility(default_cache_kwargs(**kwargs, spaced_stride=0))
+
+
+def test_snapkv_window_is_its_own_parameter(tiny):
+    kwargs = {"cache_strategy": ["l2"], "prompt_compression_strategy": ["snapkv"], "max_cache_length": [16]}
+    default = kept_positions(tiny, default_cache_kwargs(**kwargs))
+    assert kept_positions(tiny, default_cache_kwargs(**kwargs, snapkv_window=10)) == default  # the recent window
+    assert kept_positions(tiny, default_cache_kwargs(**kwargs, snapkv_window=30)) != default
+    assert relevant_kwargs(default_cache_kwargs(**kwargs, snapkv_window=30))["snapkv_window"] == 30
+    with pytest.raises(ValueError, match="--snapkv_pooling 4 is even"):
+        check_compatibility(default_cache_kwargs(**kwargs, snapkv_pooling=4))
 
 
 def test_registry_answers_the_sweep_scripts():

@@ -167,7 +167,7 @@ def test_tova_scores_with_the_latest_query_only():
     attn = torch.softmax(torch.randn(1, HEADS, GROUP, 1, LENGTH), dim=-1)
     cache.update_state(torch.tensor([PROMPT]), None, None, False, attn)
     expected = attn[:, :, :, -1].mean(dim=(1, 2)).unsqueeze(1).expand(-1, HEADS, -1)
-    assert torch.allclose(cache.score(torch.tensor([PROMPT + 1])), expected)
+    assert torch.allclose(cache.score(cache.pos, *cache.read(), None, torch.tensor([PROMPT + 1])), expected)
 
 
 def reconstruction_chunk(q, k, v, cache, n: int = 7):
@@ -222,7 +222,7 @@ def test_kvzip_half_precision_records_the_largest_attention(work, rtol, monkeypa
     """A bfloat16 cache's reconstruction scores, with the score product in float32 (CPUs that emulate
     half precision) or in bfloat16 (its log-sum-exp carried in two parts), are the largest attention of
     its bfloat16 values: to float32's precision, or to bfloat16's rounding."""
-    monkeypatch.setattr(strategies.kvzip, "matmul_dtype", lambda x: work)
+    monkeypatch.setattr(strategies.kvzip, "score_dtype", lambda x: work)
     monkeypatch.setattr(strategies.kvzip, "SCORE_BLOCK", 4)  # the chunk's 14 query rows in 4 blocks
     q, k, v = (x.bfloat16() for x in random_prompt(seed=4))
     cache = new_cache("kvzip", torch.bfloat16)

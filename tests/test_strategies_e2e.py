@@ -17,12 +17,13 @@ import pytest
 import torch
 from helpers import packed_copies, tiny_prompt, tiny_transformer
 
+import cpu_backend
 import generate as generate_cli
 import generation
 from cache_args import default_cache_kwargs
+from cpu_backend import ONEDNN_PACKS_BFLOAT16, CPULinear
 from generation import DEFAULT_CHECKPOINT, load_model
-from model import Linear, RMSNorm
-from one_token import ONEDNN_PACKS_BFLOAT16
+from model import RMSNorm
 from tokenizer import get_tokenizer
 
 SHORT_PROMPT = "What is a cold compress?"
@@ -311,7 +312,8 @@ def test_compiled_prefill_normalizes_and_projects_a_bfloat16_prompt_exactly_as_e
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(49152, 576).to(torch.bfloat16).requires_grad_(False)
     norm = RMSNorm(576).to(torch.bfloat16).requires_grad_(False)
-    layer = Linear(576, 1536, bias=False).to(torch.bfloat16).requires_grad_(False)
+    layer = cpu_backend.apply(torch.nn.Linear(576, 1536, bias=False).to(torch.bfloat16).requires_grad_(False))
+    assert isinstance(layer, CPULinear)
     ids = torch.randint(0, 49152, (1, 4096))
     steps = fresh_compile_steps({"prefill": lambda m, x: m(x), "decode": lambda m, x: m(x)})
     x = embedding(ids)

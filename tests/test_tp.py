@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import tp
+from attention import precompute_freqs_cis
 from cache_args import default_cache_kwargs
 from generation import generate, load_model
-from model import ModelArgs, Transformer, precompute_freqs_cis
+from model import ModelArgs, Transformer
 from tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

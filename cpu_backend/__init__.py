@@ -1,28 +1,29 @@
-"""CPU kernels for model.Linear, model.FeedForward and decode attention, picked by shape and dtype, and
-oneDNN-packed weights.
+"""The CPU back-end: faster CPU kernels swapped into a loaded model, with the same values.
 
-A decode step multiplies one token per sequence by every weight, so its speed is the speed at which
-the kernel streams the weights. Where the CPU has bfloat16 instructions, oneDNN streams a copy of the
-weights in its own blocked layout faster than the plain weights, with the same values: load_model
-packs them (pack_one_token_weights) and one token of a decode step goes through the packed copy
-(KeepsPackedCopy.packed_product). Where the CPU has AVX2 or AVX512 but only emulates half precision,
-the few rows of a decode step (one per sequence) and its attention go through half_kernels.cpp, which
-reads each half-precision weight once for all rows and widens weights and cache slots to float32 in
-registers; it is built here, once, with torch's C++ extension builder. Everything else goes through
-`linear`, which works around CPUs that only emulate half precision. Each path rounds alike eager and
-compiled, so compiled tokens stay eager's.
+`apply(model)` changes the class of the model's projections, feed-forwards and attention layers to
+the subclasses below (their weights, hooks and caches stay), so model.py stays plain torch:
+
+* Where the CPU has bfloat16 instructions (AVX512-BF16, AMX), oneDNN multiplies one token by a copy
+  of the weights packed in its own blocked layout faster than by the plain weights (F.linear), to the
+  same values: a decode step's one-token products go through packed copies.
+* Where the CPU has AVX2 or AVX512 but only emulates half precision, half-precision products take the
+  exact float32 upcast, and the few rows of a decode step (one per sequence) and its attention go
+  through half_kernels.cpp where it was built (`make cpu-kernels`): it reads each half-precision weight
+  once for all rows and widens weights and cache slots to float32 in registers.
+
+Nothing is built on import: `build.py` builds the kernels on request, and `apply` loads them only if
+they were built. Each path rounds alike eager and compiled, so compiled tokens stay eager's.
 """
 
-import os
-import shlex
-import shutil
-import sys
+import hashlib
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from model import Attention, FeedForward
 
 CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
 # CPUs whose best vector unit is AVX2, or AVX512 without its bfloat16 extension, have no bfloat16 or
@@ -35,92 +36,52 @@ HALF_ROWS_MAX = 64  # with more rows the float32 GEMM of upcast weights is faste
 # F.linear of bfloat16 values goes to oneDNN where it takes them (AVX512 and up, emulated without
 # AVX512-BF16), else to ATen's own GEMM.
 ONEDNN_BFLOAT16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-# With bfloat16 instructions (AVX512-BF16, AMX), oneDNN multiplies one token by the weights it has packed
-# faster than by the plain weights (F.linear), and to the same values at every projection shape.
+# With bfloat16 instructions oneDNN multiplies one token by the weights it has packed faster than by
+# the plain weights, and to the same values at every projection shape.
 ONEDNN_PACKS_BFLOAT16 = not HALF_MATMUL_IS_EMULATED and ONEDNN_BFLOAT16
 # Where half precision is emulated outside oneDNN, torch.mv multiplies one bfloat16 token faster than
 # F.linear (ATen's GEMM), to the same values.
 BFLOAT16_TOKEN_TAKES_MV = HALF_MATMUL_IS_EMULATED and not ONEDNN_BFLOAT16
 
-
 # The vector units half_kernels.cpp is built for, by CPU capability: AVX512 multiplies in 16 lanes.
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 HALF_KERNELS_FLAGS = {"AVX2": AVX2_FLAGS, "AVX512": [*AVX2_FLAGS, "-mavx512f"]}
-# One build per checkout, torch version and capability (torch's default folder is shared by every checkout).
-HALF_KERNELS_BUILD = (
-    Path(__file__).resolve().parent / "build" / f"half_kernels-torch{torch.__version__}-{CPU_CAPABILITY.lower()}"
-)
+HALF_KERNELS_SOURCE = Path(__file__).with_name("half_kernels.cpp")
+LIBRARY_NAME = "kvwb_half_kernels"
 
 
-def build_half_kernels() -> None:
-    """cpp_extension.load of half_kernels.cpp: builds it where the cached build is missing or stale.
-
-    torch guards a build with a lock file that a builder killed mid-build (a timed-out sweep job)
-    leaves behind, and then every later import waits on it forever; a flock, which the kernel
-    releases with its holder, lets one builder at a time through and clears such a leftover."""
-    import fcntl
-
-    from torch.utils import cpp_extension
-
-    HALF_KERNELS_BUILD.mkdir(parents=True, exist_ok=True)
-    with open(HALF_KERNELS_BUILD / "builder.flock", "w") as builder:
-        fcntl.flock(builder, fcntl.LOCK_EX)
-        (HALF_KERNELS_BUILD / "lock").unlink(missing_ok=True)
-        cpp_extension.load(
-            "kvwb_half_kernels",
-            [str(Path(__file__).with_name("half_kernels.cpp"))],
-            extra_cflags=["-O3", *HALF_KERNELS_FLAGS[CPU_CAPABILITY], "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(HALF_KERNELS_BUILD),
-            is_python_module=False,
-        )
+def kernels_build_dir() -> Path:
+    """One build per source, torch version and CPU capability, in the checkout's build/ folder: a
+    build of an older source is never loaded."""
+    source = hashlib.sha256(HALF_KERNELS_SOURCE.read_bytes()).hexdigest()[:12]
+    name = f"half_kernels-{source}-torch{torch.__version__}-{CPU_CAPABILITY.lower()}"
+    return Path(__file__).resolve().parent.parent / "build" / name
 
 
-def half_kernels_build_failure() -> str | None:
-    """Why half_kernels.cpp could not be built here, or None once it is built."""
-    from torch.utils import cpp_extension
-
-    compiler = (shlex.split(os.environ.get("CXX", "")) or ["c++"])[0]
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler}) on PATH"
-    if not cpp_extension.is_ninja_available():
-        return "ninja is not installed"
-    try:
-        build_half_kernels()
-    except Exception as error:  # a failed build: the slower kernels still work
-        return (str(error).strip() or type(error).__name__).splitlines()[0].split(": [")[0][:200]
-    return None
+_kernels_missing: str | None = "not loaded yet"
 
 
-def load_half_kernels() -> str | None:
-    """Builds half_kernels.cpp (only the first import compiles) and registers torch.ops.kvwb.half_rows
-    and half_decode_attention; returns why they are not there instead."""
+def load_kernels() -> str | None:
+    """Registers torch.ops.kvwb.half_rows and half_decode_attention from the built library; returns
+    why they are not there instead (never builds)."""
+    global _kernels_missing
+    if _kernels_missing is None:
+        return None
+    library = kernels_build_dir() / f"{LIBRARY_NAME}.so"
     if CPU_CAPABILITY not in HALF_KERNELS_FLAGS:
         return f"the kernels need AVX2 or AVX512, this CPU has {CPU_CAPABILITY}"
-    # ninja from the requirements sits beside this Python, on PATH only where its environment is active;
-    # the process gets its own PATH back after the build
-    saved_path = os.environ.get("PATH")
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), saved_path or ""])
-    try:
-        reason = half_kernels_build_failure()
-    finally:
-        if saved_path is None:
-            del os.environ["PATH"]
-        else:
-            os.environ["PATH"] = saved_path
-    if reason is not None:
-        print(f"warning: half_kernels.cpp was not built ({reason}); half-precision decode takes slower kernels; "
-              "a C++ compiler (g++) and ninja build it", file=sys.stderr)  # fmt: skip
-        return reason
+    if not library.is_file():
+        return "not built (make cpu-kernels builds them)"
+    torch.ops.load_library(str(library))
     torch.library.register_fake("kvwb::half_rows")(lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
     torch.library.register_fake("kvwb::half_decode_attention")(lambda q, keys, values, mask: q.new_empty(q.shape))
-    torch.library.register_fake("kvwb::filled_slots")(
-        lambda positions: positions.new_empty(positions.shape, dtype=torch.bool)
-    )
+    _kernels_missing = None
     return None
 
 
-HALF_KERNELS_MISSING = load_half_kernels() if HALF_MATMUL_IS_EMULATED else "half precision has its own instructions"
+def kernels_missing() -> str | None:
+    """Why half_kernels.cpp is not in use (None: loaded)."""
+    return load_kernels()
 
 
 def matmul_dtype(x: Tensor) -> torch.dtype:
@@ -135,7 +96,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """F.linear on the kernel that suits x's shape and dtype.
 
     Half precision on a CPU that emulates it: up to HALF_ROWS_MAX rows (a decode step, a short
-    prompt) through half_kernels.cpp where it was built; more (a prefill) through the exact float32
+    prompt) through half_kernels.cpp where it was loaded; more (a prefill) through the exact float32
     upcast, a float32 GEMM and one rounding back. Without the kernel, one token in eager bfloat16 runs
     torch.mv where F.linear would take ATen's GEMM (faster, same values; oneDNN's sums differ). One
     token in compiled float32: a multiply and row sum that inductor fuses into one pass over the
@@ -144,39 +105,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     would decompose into a reduction that sums in another order).
     """
     rows = x.shape[:-1].numel()
-    on_cpu = x.device.type == "cpu"
     compiling = torch.compiler.is_compiling()
     work = matmul_dtype(x)
-    if work != x.dtype and HALF_KERNELS_MISSING is None and 0 < rows <= HALF_ROWS_MAX:
+    if work != x.dtype and _kernels_missing is None and 0 < rows <= HALF_ROWS_MAX:
         return torch.ops.kvwb.half_rows(x.reshape(rows, -1), weight, bias).view(*x.shape[:-1], -1)
     if work != x.dtype and rows >= FLOAT32_GEMM_MIN_ROWS:
         upcast_bias = None if bias is None else bias.to(work)
         return F.linear(x.to(work), weight.to(work), upcast_bias).to(x.dtype)
-    if rows == 1 and on_cpu and compiling and x.dtype == torch.float32:
+    if rows == 1 and compiling and x.dtype == torch.float32:
         y = (weight * x.reshape(1, -1)).sum(-1)
-    elif rows == 1 and on_cpu and not compiling and x.dtype == torch.bfloat16 and BFLOAT16_TOKEN_TAKES_MV:
+    elif rows == 1 and not compiling and x.dtype == torch.bfloat16 and BFLOAT16_TOKEN_TAKES_MV:
         y = torch.mv(weight, x.reshape(-1))
     else:
         return F.linear(x, weight, bias)
     return (y if bias is None else y + bias).view(*x.shape[:-1], -1)
-
-
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """Softmax attention of q [B, H, G, D] (one token's G query heads per KV head) over keys and values
-    [B, H, S, D] at the slots where mask [B, H, S] is true: half_kernels.cpp where half precision is
-    emulated (SDPA's CPU kernel emulates it too, and turns the mask into a float one when compiled),
-    else SDPA."""
-    if matmul_dtype(q) != q.dtype and HALF_KERNELS_MISSING is None and q.shape[-1] % 8 == 0:
-        return torch.ops.kvwb.half_decode_attention(q, keys, values, mask)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(2))
-
-
-def filled_slots(positions: Tensor) -> Tensor:
-    """positions >= 0: the slots of a cache that hold a token. Through half_kernels.cpp where it was
-    built and the positions are int32 on the CPU, for compiled decode (see there)."""
-    if HALF_KERNELS_MISSING is None and positions.device.type == "cpu" and positions.dtype == torch.int32:
-        return torch.ops.kvwb.filled_slots(positions)
-    return positions >= 0
 
 
 def pack_for_one_token(weight: Tensor) -> Tensor:
@@ -218,15 +160,44 @@ class KeepsPackedCopy(nn.Module):
         weights = self.weights_to_pack()
         self.packed_weight = pack_for_one_token(torch.cat(weights) if len(weights) > 1 else weights[0])
 
-    def packed_product(self, x: Tensor, decode: bool, bias: Tensor | None = None) -> Tensor | None:
-        """x times the packed copy for one token of a decode step; None where the plain weights serve."""
-        if decode and x.shape[:-1].numel() == 1 and self.packed_weight is not None:
+    def packed_product(self, x: Tensor, bias: Tensor | None = None) -> Tensor | None:
+        """x times the packed copy for one token; None where the plain weights serve: also in a
+        compiled graph that does not freeze the weights (prefill's), which cannot take the copy."""
+        frozen = not torch.compiler.is_compiling() or torch._inductor.config.freezing
+        if x.shape[:-1].numel() == 1 and self.packed_weight is not None and frozen:
             return one_token_product(x, self.packed_weight, bias)
         return None
 
     def _apply(self, fn, recurse=True):
         self.packed_weight = None  # a move or cast would leave the packed copy behind
         return super()._apply(fn, recurse)
+
+
+class CPULinear(KeepsPackedCopy, nn.Linear):
+    """nn.Linear through `linear`, or for one token through its packed copy where one was made."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.packed_product(x, self.bias)
+        return linear(x, self.weight, self.bias) if y is None else y
+
+
+class CPUFeedForward(KeepsPackedCopy, FeedForward):
+    stacks = ("w1", "w3")  # one packed copy for both, as they multiply the same input
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.packed_product(x)
+        gate, up = (self.w1(x), self.w3(x)) if gate_up is None else gate_up.chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class CPUAttention(Attention):
+    """Decode attention through half_kernels.cpp, for half precision on a CPU that emulates it
+    (SDPA's CPU kernel emulates it too, and turns the mask into a float one when compiled)."""
+
+    def attend_slots(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        if q.shape[-1] % 8 == 0:
+            return torch.ops.kvwb.half_decode_attention(q, keys, values, mask)
+        return super().attend_slots(q, keys, values, mask)
 
 
 def free_memory_bytes() -> int:
@@ -261,3 +232,19 @@ def pack_one_token_weights(model: nn.Module) -> None:
         return
     for module in projections:
         module.pack()
+
+
+def apply(model: nn.Module) -> nn.Module:
+    """Swaps the CPU kernels into a model whose weights are on the CPU, after its last change of
+    device, dtype or weights; a model elsewhere is returned as it is."""
+    if next(model.parameters()).device.type != "cpu":
+        return model
+    half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    swaps = {nn.Linear: CPULinear, FeedForward: CPUFeedForward}
+    if half and HALF_MATMUL_IS_EMULATED and load_kernels() is None:
+        swaps[Attention] = CPUAttention
+    for module in model.modules():
+        if type(module) in swaps:
+            module.__class__ = swaps[type(module)]
+    pack_one_token_weights(model)
+    return model

@@ -1,5 +1,5 @@
-// Decode-step kernels for CPUs with AVX2 or AVX512 but no bfloat16 or float16 arithmetic (one_token.py
-// builds and loads them there). Without half-precision instructions ATen emulates half-precision
+// Decode-step kernels for CPUs with AVX2 or AVX512 but no bfloat16 or float16 arithmetic (`make cpu-kernels`
+// builds them; cpu_backend loads them where built). Without half-precision instructions ATen emulates half-precision
 // products element by element, and oneDNN refuses them (AVX2) or emulates them too (AVX512); an upcast
 // copy streams twice the bytes. Both kernels widen the half-precision weights or cache to float32 in
 // registers, sum in float32 and round once.
@@ -10,8 +10,6 @@
 // for up to 8 rows.
 // half_decode_attention: the query heads that share a KV head (up to 3 at a time) against its cache
 // slots, each slot widened once for all of them.
-// filled_slots: a cache's slot mask (position >= 0). Compiled, inductor stores a boolean computed
-// from int32 element by element, which at batch 8 cost more than the rest of a layer's fused kernel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -365,27 +363,14 @@ at::Tensor half_decode_attention(const at::Tensor& q, const at::Tensor& keys, co
   return out.to(q.scalar_type());
 }
 
-// positions >= 0, for int32 slot positions.
-at::Tensor filled_slots(const at::Tensor& positions) {
-  TORCH_CHECK(positions.scalar_type() == at::kInt, "filled_slots: int32 positions");
-  const at::Tensor p = positions.contiguous();
-  at::Tensor filled = at::empty(p.sizes(), p.options().dtype(at::kBool));
-  const int32_t* in = p.data_ptr<int32_t>();
-  bool* out = filled.data_ptr<bool>();
-  for (int64_t i = 0, n = p.numel(); i < n; ++i) out[i] = in[i] >= 0;
-  return filled;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvwb, m) {
   m.def("half_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("half_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor mask) -> Tensor");
-  m.def("filled_slots(Tensor positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvwb, CPU, m) {
   m.impl("half_rows", &half_rows);
   m.impl("half_decode_attention", &half_decode_attention);
-  m.impl("filled_slots", &filled_slots);
 }
