@@ -42,7 +42,7 @@ class PromptCompressor:
     def __call__(self, key_pos: Tensor, k: Tensor, v: Tensor, query: Tensor, budget: int, capacity=None) -> Tensor:
         """Indices [B or 1, H or 1, budget] of the candidates to keep, in position order, empty slots
         last; with a `capacity`, [B, H, capacity] under adaptive head budgets (see keep_top)."""
-        query_pos = key_pos.reshape(-1, key_pos.shape[-1])[0, -query.shape[2] :]
+        query_pos = None if query is None else key_pos.reshape(-1, key_pos.shape[-1])[0, -query.shape[2] :]
         return self.keep_top(key_pos, self.score(key_pos, k, v, query, query_pos), budget, capacity)
 
     def keep_top(self, key_pos: Tensor, score: Tensor, budget: int, capacity: int | None = None) -> Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import tiny_prompt, tiny_transformer
-from test_registry import lossless_kwargs, matrix
+from test_registry import lossless_kwargs, pairs
 
 import generation
 import strategies
@@ -37,7 +37,7 @@ def compressed_kwargs(name, compressor, **overrides):
     return default_cache_kwargs(cache_strategy=[name], prompt_compression_strategy=[compressor], **settings)
 
 
-@pytest.mark.parametrize(("name", "compressor"), matrix())
+@pytest.mark.parametrize(("name", "compressor"), pairs())
 def test_a_chunk_as_long_as_the_prompt_is_the_one_pass_prefill(name, compressor, tiny):
     one_pass = run(tiny, compressed_kwargs(name, compressor))[0]
     for chunk in (PROMPT_LENGTH, 4 * PROMPT_LENGTH):
@@ -53,7 +53,7 @@ def test_chunks_into_a_cache_that_holds_everything_give_the_full_cache_tokens(na
         assert run(tiny, {**lossless_kwargs(name), "prefill_chunk_size": chunk})[0] == one_pass
 
 
-@pytest.mark.parametrize(("name", "compressor"), matrix())
+@pytest.mark.parametrize(("name", "compressor"), pairs())
 def test_chunked_prefill_keeps_the_budget_and_the_global_tokens(name, compressor, tiny):
     tokens, stats = run(tiny, compressed_kwargs(name, compressor, prefill_chunk_size=8))
     assert len(tokens) == NEW_TOKENS
@@ -193,7 +193,7 @@ def test_context_only_modes_differ_only_in_what_is_kept(tiny):
 
 
 # -- compress once, ask many --------------------------------------------------------------------------
-@pytest.mark.parametrize(("name", "compressor"), matrix())
+@pytest.mark.parametrize(("name", "compressor"), pairs())
 def test_questions_from_one_compressed_context_match_separate_runs(name, compressor, tiny):
     """Each answer from the restored snapshot equals a context-only run of its own, for every
     strategy: nothing a question changes leaks into the next one."""
