@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from helpers import tiny_prompt, tiny_transformer
+from test_registry import names_and_some_debug
 
 import cpu_backend
 import generation
@@ -69,7 +70,7 @@ def assert_same(alone, batched) -> None:
             assert batch_stats.get(key) == stats.get(key), key
 
 
-@pytest.mark.parametrize("name", strategies.strategy_names(debug=True))
+@pytest.mark.parametrize("name", names_and_some_debug())
 def test_each_prompt_of_a_batch_decodes_as_it_does_alone(name, tiny):
     prompts = [tiny_prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
     alone, batched = alone_and_batched(tiny, compressing_kwargs(name), prompts)

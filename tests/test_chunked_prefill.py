@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import tiny_prompt, tiny_transformer
-from test_registry import lossless_kwargs, pairs
+from test_registry import lossless_kwargs, names_and_some_debug, pairs
 
 import generation
 import strategies
@@ -44,7 +44,7 @@ def test_a_chunk_as_long_as_the_prompt_is_the_one_pass_prefill(name, compressor,
         assert run(tiny, compressed_kwargs(name, compressor, prefill_chunk_size=chunk))[0] == one_pass
 
 
-@pytest.mark.parametrize("name", strategies.strategy_names(debug=True))
+@pytest.mark.parametrize("name", names_and_some_debug())
 def test_chunks_into_a_cache_that_holds_everything_give_the_full_cache_tokens(name, tiny):
     """At budget 1.0 nothing is evicted, so chunked attention over cache + chunk must be exactly
     causal attention over the prompt: the same greedy tokens as one pass."""

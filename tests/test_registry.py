@@ -60,6 +60,13 @@ def pairs() -> list[tuple[str, str]]:
     return chosen
 
 
+def names_and_some_debug() -> list[str]:
+    """Every registered strategy, and the debug_ twins of one that records attention and one that
+    scores by a reconstruction pass: each debug_ twin is checked on its own in this file, so the
+    tests that repeat a check per strategy need not take them all."""
+    return strategies.strategy_names() + ["debug_heavy_hitter", "debug_kvzip"]
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_transformer(seed=0)
