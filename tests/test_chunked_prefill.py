@@ -208,14 +208,58 @@ def test_questions_from_one_compressed_context_match_separate_runs(name, compres
         assert alone.tolist() == answer
 
 
-def test_cache_state_round_trip_and_mismatch(tiny):
-    kwargs = compressed_kwargs("l2", "l2")
+def cache_buffers(caches) -> list[dict[str, torch.Tensor]]:
+    """Each layer's live persistent buffers (keys, values, positions, strategy state), by name."""
+    return [{name: cache.get_buffer(name) for name in cache.state_dict()} for cache in caches]
+
+
+def scribble(caches, seed: int) -> None:
+    """Overwrites every persistent buffer of every cache in place: random floats, and integers
+    (positions, counters) outside any value a real cache holds."""
+    generator = torch.Generator().manual_seed(seed)
+    for layer in cache_buffers(caches):
+        for t in layer.values():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=generator))
+            else:
+                t.copy_(torch.randint(1000, 2000, t.shape, generator=generator))
+
+
+def assert_same_state(state, expected) -> None:
+    assert len(state) == len(expected)
+    for layer, (got, want) in enumerate(zip(state, expected)):
+        assert set(got) == set(want), layer
+        for name in want:
+            assert torch.equal(got[name], want[name]), (layer, name)
+
+
+@pytest.mark.parametrize("name", ["l2", "heavy_hitter"])
+def test_cache_state_round_trip_and_mismatch(name, tiny):
+    """A saved state is a copy: overwriting every live buffer (keys, values, positions, strategy
+    state) leaves it intact, restoring it brings back exactly what the caches held (in their own
+    buffers), and the restored caches do not alias it, so it can be restored again."""
+    kwargs = compressed_kwargs(name, strategies.natural_compressor(name))
     _, caches, _ = generation.prefill_prompt(tiny, tiny_prompt(40, seed=3), 4, kwargs, generation.STEPS)
+    live = cache_buffers(caches)
+    before = [{n: t.clone() for n, t in layer.items()} for layer in live]  # our own copy, not cache_state's
+    assert all({"k_cache", "v_cache", "pos"} <= set(layer) for layer in before)
     saved = cache_state(caches)
-    for cache in caches:
-        cache.pos.fill_(-1)
+
+    scribble(caches, seed=1)
+    for layer, (now, then) in enumerate(zip(cache_buffers(caches), before)):
+        assert not any(torch.equal(now[n], then[n]) for n in then), layer  # every buffer overwritten
+    assert_same_state(saved, before)  # the saved state did not follow the live buffers
+
     load_cache_state(caches, saved)
-    assert all(torch.equal(c.pos, s["pos"]) for c, s in zip(caches, saved))
+    assert_same_state(cache_buffers(caches), before)
+    for own, restored in zip(live, cache_buffers(caches)):  # in place: compiled steps keep their buffers
+        assert all(own[n].data_ptr() == restored[n].data_ptr() for n in own)
+
+    scribble(caches, seed=2)  # the restored caches must not share memory with the saved state
+    assert_same_state(saved, before)
+    load_cache_state(caches, saved)
+    assert_same_state(cache_buffers(caches), before)
+
     other = generation.setup_caches(tiny, kwargs, 80, 4)
     with pytest.raises(ValueError, match="k_cache is"):
         load_cache_state(other, saved)
