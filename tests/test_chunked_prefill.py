@@ -2,6 +2,7 @@
 model and on single caches against plain-Python references. Strategies come from the registry, so a
 new one is covered with no edit here."""
 
+import argparse
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from test_registry import lossless_kwargs, matrix
 import generation
 import strategies
 from cache import cache_state, load_cache_state, resolve_recent_window
-from cache_args import check_compatibility, default_cache_kwargs
+from cache_args import add_cache_arguments, check_compatibility, default_cache_kwargs
 
 PROMPT_LENGTH, NEW_TOKENS, HEAD_DIM = 60, 10, 16
 
@@ -76,6 +77,44 @@ def test_prefill_passes():
     assert generation.prefill_passes(10, caches, None, start=50) == ([(50, 60)], 60)
     assert generation.prefill_passes(10, caches, 4, start=50) == ([(50, 54), (54, 58), (58, 60)], 60)
     assert generation.prefill_passes(10, caches, 1, start=50) == ([], 50)
+
+
+def fed_token_by_token(model, cache_kwargs, prompt, new_tokens):
+    """Reference for --feed_long_prompts, on the model and its caches directly: one prefill pass
+    over the first cache length of the prompt, the rest fed one token per decode call at its
+    position, then greedy decoding. Returns the new tokens and the caches."""
+    caches = generation.setup_caches(model, cache_kwargs, prompt.numel(), new_tokens)
+    length = caches[0].budget
+    assert all(c.budget == length for c in caches) and length < prompt.numel()
+    logits = model(prompt[:length].view(1, -1), torch.arange(length), is_prefill=True)[:, -1]
+    for pos in range(length, prompt.numel()):
+        logits = model(prompt[pos].view(1, 1), torch.tensor([pos]), is_prefill=False)[:, -1]
+    tokens = [logits.argmax(dim=-1)]
+    for i in range(new_tokens - 1):
+        logits = model(tokens[-1].view(1, 1), torch.tensor([prompt.numel() + i]), is_prefill=False)[:, -1]
+        tokens.append(logits.argmax(dim=-1))
+    return torch.cat(tokens).tolist(), caches
+
+
+@pytest.mark.parametrize("name", ["l2", "heavy_hitter", "tova", "recent_global"])
+def test_chunk_size_1_feeds_the_prompt_past_one_cache_length_token_by_token(name, tiny):
+    """--feed_long_prompts (--prefill_chunk_size 1) through generation gives the reference's greedy
+    tokens and leaves every cache buffer as the reference leaves it."""
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    chunk = parser.parse_args(["--feed_long_prompts"]).prefill_chunk_size
+    assert chunk == 1
+    kwargs = compressed_kwargs(name, strategies.natural_compressor(name), prefill_chunk_size=chunk)
+    prompt = tiny_prompt(PROMPT_LENGTH, seed=5)
+    tokens = run(tiny, kwargs, prompt)[0]
+    generated = [{n: t.clone() for n, t in layer.attention.kv_cache.state_dict().items()} for layer in tiny.layers]
+    torch.manual_seed(0)
+    expected, caches = fed_token_by_token(tiny, kwargs, prompt, NEW_TOKENS)
+    assert tokens == expected
+    for layer, (got, cache) in enumerate(zip(generated, caches)):
+        assert (cache.pos >= 0).sum(-1).eq(cache.budget).all(), layer  # full: the tail evicted
+        for buffer, t in cache.state_dict().items():
+            assert torch.equal(got[buffer], t), (layer, buffer)
 
 
 # -- one cache against a plain-Python reference -------------------------------------------------------
