@@ -1,8 +1,15 @@
 """Chunked prefill through the compressed cache and context-only compression, on the tiny random
-model and on single caches against plain-Python references. Strategies come from the registry, so a
-new one is covered with no edit here."""
+model and on single caches against plain-Python references; and the memory chunked prefill saves,
+measured on the embedded model (slow). Strategies come from the registry, so a new one is covered
+with no edit here."""
 
+import argparse
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +20,10 @@ from test_registry import lossless_kwargs, names_and_some_debug, pairs
 import generation
 import strategies
 from cache import cache_state, load_cache_state, resolve_recent_window
-from cache_args import check_compatibility, default_cache_kwargs
+from cache_args import add_cache_arguments, check_compatibility, default_cache_kwargs
 
 PROMPT_LENGTH, NEW_TOKENS, HEAD_DIM = 60, 10, 16
+ROOT = Path(generation.__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +84,44 @@ def test_prefill_passes():
     assert generation.prefill_passes(10, caches, None, start=50) == ([(50, 60)], 60)
     assert generation.prefill_passes(10, caches, 4, start=50) == ([(50, 54), (54, 58), (58, 60)], 60)
     assert generation.prefill_passes(10, caches, 1, start=50) == ([], 50)
+
+
+def fed_token_by_token(model, cache_kwargs, prompt, new_tokens):
+    """Reference for --feed_long_prompts, on the model and its caches directly: one prefill pass
+    over the first cache length of the prompt, the rest fed one token per decode call at its
+    position, then greedy decoding. Returns the new tokens and the caches."""
+    caches = generation.setup_caches(model, cache_kwargs, prompt.numel(), new_tokens)
+    length = caches[0].budget
+    assert all(c.budget == length for c in caches) and length < prompt.numel()
+    logits = model(prompt[:length].view(1, -1), torch.arange(length), is_prefill=True)[:, -1]
+    for pos in range(length, prompt.numel()):
+        logits = model(prompt[pos].view(1, 1), torch.tensor([pos]), is_prefill=False)[:, -1]
+    tokens = [logits.argmax(dim=-1)]
+    for i in range(new_tokens - 1):
+        logits = model(tokens[-1].view(1, 1), torch.tensor([prompt.numel() + i]), is_prefill=False)[:, -1]
+        tokens.append(logits.argmax(dim=-1))
+    return torch.cat(tokens).tolist(), caches
+
+
+@pytest.mark.parametrize("name", ["l2", "heavy_hitter", "tova", "recent_global"])
+def test_chunk_size_1_feeds_the_prompt_past_one_cache_length_token_by_token(name, tiny):
+    """--feed_long_prompts (--prefill_chunk_size 1) through generation gives the reference's greedy
+    tokens and leaves every cache buffer as the reference leaves it."""
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    chunk = parser.parse_args(["--feed_long_prompts"]).prefill_chunk_size
+    assert chunk == 1
+    kwargs = compressed_kwargs(name, strategies.natural_compressor(name), prefill_chunk_size=chunk)
+    prompt = tiny_prompt(PROMPT_LENGTH, seed=5)
+    tokens = run(tiny, kwargs, prompt)[0]
+    generated = [{n: t.clone() for n, t in layer.attention.kv_cache.state_dict().items()} for layer in tiny.layers]
+    torch.manual_seed(0)
+    expected, caches = fed_token_by_token(tiny, kwargs, prompt, NEW_TOKENS)
+    assert tokens == expected
+    for layer, (got, cache) in enumerate(zip(generated, caches)):
+        assert (cache.pos >= 0).sum(-1).eq(cache.budget).all(), layer  # full: the tail evicted
+        for buffer, t in cache.state_dict().items():
+            assert torch.equal(got[buffer], t), (layer, buffer)
 
 
 # -- one cache against a plain-Python reference -------------------------------------------------------
@@ -208,16 +254,121 @@ def test_questions_from_one_compressed_context_match_separate_runs(name, compres
         assert alone.tolist() == answer
 
 
-def test_cache_state_round_trip_and_mismatch(tiny):
-    kwargs = compressed_kwargs("l2", "l2")
+def cache_buffers(caches) -> list[dict[str, torch.Tensor]]:
+    """Each layer's live persistent buffers (keys, values, positions, strategy state), by name."""
+    return [{name: cache.get_buffer(name) for name in cache.state_dict()} for cache in caches]
+
+
+def scribble(caches, seed: int) -> None:
+    """Overwrites every persistent buffer of every cache in place: random floats, and integers
+    (positions, counters) outside any value a real cache holds."""
+    generator = torch.Generator().manual_seed(seed)
+    for layer in cache_buffers(caches):
+        for t in layer.values():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=generator))
+            else:
+                t.copy_(torch.randint(1000, 2000, t.shape, generator=generator))
+
+
+def assert_same_state(state, expected) -> None:
+    assert len(state) == len(expected)
+    for layer, (got, want) in enumerate(zip(state, expected)):
+        assert set(got) == set(want), layer
+        for name in want:
+            assert torch.equal(got[name], want[name]), (layer, name)
+
+
+@pytest.mark.parametrize("name", ["l2", "heavy_hitter"])
+def test_cache_state_round_trip_and_mismatch(name, tiny):
+    """A saved state is a copy: overwriting every live buffer (keys, values, positions, strategy
+    state) leaves it intact, restoring it brings back exactly what the caches held (in their own
+    buffers), and the restored caches do not alias it, so it can be restored again."""
+    kwargs = compressed_kwargs(name, strategies.natural_compressor(name))
     _, caches, _ = generation.prefill_prompt(tiny, tiny_prompt(40, seed=3), 4, kwargs, generation.STEPS)
+    live = cache_buffers(caches)
+    before = [{n: t.clone() for n, t in layer.items()} for layer in live]  # our own copy, not cache_state's
+    assert all({"k_cache", "v_cache", "pos"} <= set(layer) for layer in before)
     saved = cache_state(caches)
-    for cache in caches:
-        cache.pos.fill_(-1)
+
+    scribble(caches, seed=1)
+    for layer, (now, then) in enumerate(zip(cache_buffers(caches), before)):
+        assert not any(torch.equal(now[n], then[n]) for n in then), layer  # every buffer overwritten
+    assert_same_state(saved, before)  # the saved state did not follow the live buffers
+
     load_cache_state(caches, saved)
-    assert all(torch.equal(c.pos, s["pos"]) for c, s in zip(caches, saved))
+    assert_same_state(cache_buffers(caches), before)
+    for own, restored in zip(live, cache_buffers(caches)):  # in place: compiled steps keep their buffers
+        assert all(own[n].data_ptr() == restored[n].data_ptr() for n in own)
+
+    scribble(caches, seed=2)  # the restored caches must not share memory with the saved state
+    assert_same_state(saved, before)
+    load_cache_state(caches, saved)
+    assert_same_state(cache_buffers(caches), before)
+
     other = generation.setup_caches(tiny, kwargs, 80, 4)
     with pytest.raises(ValueError, match="k_cache is"):
         load_cache_state(other, saved)
     with pytest.raises(ValueError, match="layers"):
         load_cache_state(other[:1], saved)
+
+
+# -- memory, measured on the embedded model -----------------------------------------------------------
+PREFILL_PEAK = """
+import json, sys, time
+import torch
+import benchmark, generation
+from cache_args import default_cache_kwargs
+
+checkpoint, length, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) or None
+model = generation.load_model(checkpoint, torch.device("cpu"), torch.bfloat16)
+kwargs = default_cache_kwargs(
+    cache_strategy=["l2"], prompt_compression_strategy=["l2"], max_cache_length=[512], prefill_chunk_size=chunk
+)
+ids = torch.randint(0, model.config.vocab_size, (640 + length,), generator=torch.Generator().manual_seed(0))
+meter = benchmark.MemoryMeter(torch.device("cpu"))
+with torch.no_grad():
+    # the same prefill, shorter: the weights are resident and first calls have run before the meter starts
+    generation.prefill_prompt(model, ids[:640], 1, kwargs, generation.STEPS)
+    model.setup_caches([None] * model.config.n_layer, 1)  # its caches go: the measured ones count in full
+    meter.start()
+    start = time.perf_counter()
+    _, caches, _ = generation.prefill_prompt(model, ids[640:], 1, kwargs, generation.STEPS)
+    peak = meter.peak_increase()
+print(json.dumps(dict(
+    method=meter.method, peak_mib=peak, seconds=time.perf_counter() - start, slots=[c.budget for c in caches]
+)))
+"""
+
+
+def prefill_peak_mib(checkpoint, length: int, chunk: int | None) -> float:
+    """Peak memory (MiB) of one bfloat16 prefill of `length` random tokens into l2 caches of 512
+    slots, in a fresh process: benchmark.MemoryMeter's RSS high-water mark above the resident set
+    before the prefill (reset through /proc/self/clear_refs), cache buffers included.
+
+    glibc's mmap threshold is fixed: by default it rises to the size of the largest block freed, so
+    later temporaries of that size come from the heap, whose fragmentation grows with the number of
+    passes and with thread timing; fixed, every large temporary is a mapping of its own, returned
+    when freed, and the high-water mark follows live memory."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    argv = [sys.executable, "-c", PREFILL_PEAK, str(checkpoint), str(length), str(chunk or 0)]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    if measured["method"] != "rss-hwm":
+        pytest.skip(f"no per-phase RSS peak here (/proc/self/clear_refs): {measured['method']}")
+    assert measured["slots"] == [512] * len(measured["slots"])  # the same absolute budget at every length
+    print(f"prefill of {length} tokens, chunk {chunk}: {measured['peak_mib']:.1f} MiB, {measured['seconds']:.1f} s")
+    return measured["peak_mib"]
+
+
+@pytest.mark.slow
+def test_chunked_prefill_peak_memory_does_not_grow_with_the_prompt(smollm2_checkpoint):
+    """Chunks of 512 through a 512-slot cache: an 8,192-token prompt needs at most 1.25x the memory
+    of a 1,024-token one (benchmark target 8), while one pass over the 8,192 tokens needs clearly
+    more: chunking is what bounds it."""
+    short = prefill_peak_mib(smollm2_checkpoint, 1024, 512)
+    chunked = prefill_peak_mib(smollm2_checkpoint, 8192, 512)
+    one_pass = prefill_peak_mib(smollm2_checkpoint, 8192, None)
+    assert 0 < chunked <= 1.25 * short, (short, chunked)
+    assert one_pass >= 2 * chunked, (chunked, one_pass)
