@@ -126,6 +126,7 @@ def setup_caches(
         device,
         dtype,
         batch_size,
+        windows=[layer.attention.window for layer in model.layers],
     )
     model.setup_caches(caches, prompt_length + max_new_tokens)
     return caches
