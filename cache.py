@@ -555,4 +555,9 @@ def cache_statistics(caches: list[KVCache], seq_len: int) -> dict:
         else:
             stats[key] = sum(values) / len(values)
         stats[f"{key}_per_layer"] = values
+    if any(c.window is not None for c in caches):  # a model with sliding layers: each kind's own ratio
+        kinds = {"global": [], "sliding": []}
+        for cache, s in zip(caches, per_layer):
+            kinds["global" if cache.window is None else "sliding"].append(s["compression_ratio"])
+        stats["compression_ratio_by_kind"] = {k: sum(v) / len(v) for k, v in kinds.items() if v}
     return stats

@@ -254,12 +254,14 @@ def test_tiny_sliding_window_through_caches_matches_transformers(kind, chunk_siz
         if window is not None:
             assert cache.max_cache_length == window and int((cache.pos >= 0).sum(-1).max()) == window
     if kind == "gemma3":  # the global layer compresses, the sliding ones keep their window
-        tokens, _ = our_generate(
+        tokens, stats = our_generate(
             ours, ids, 12, default_cache_kwargs(cache_strategy=["l2"], max_cache_length=[0.5]), terminator_ids=()
         )
         assert tokens.numel() == 12
         lengths = [layer.attention.kv_cache.max_cache_length for layer in ours.layers]
         assert lengths == [16, 48, 16]
+        by_kind = stats["compression_ratio_by_kind"]  # against the model's own full cache: the window
+        assert by_kind["sliding"] == 0.0 and by_kind["global"] == pytest.approx(1 - 48 / (70 + 11))
 
 
 # ---------------------------------------------------------------- the converter itself
