@@ -264,6 +264,21 @@ def test_tiny_sliding_window_through_caches_matches_transformers(kind, chunk_siz
         assert by_kind["sliding"] == 0.0 and by_kind["global"] == pytest.approx(1 - 48 / (70 + 11))
 
 
+def test_tiny_sliding_window_batch_matches_transformers(tmp_path):
+    """Prompts shorter and longer than the window decode together as they do alone, and as HF's."""
+    from generation import generate_batch
+
+    model_cls, config = TINY_MODELS["mistral"]
+    hf = randomize(model_cls(config))
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(
+        convert_hf_checkpoint(tmp_path / "hf", out_dir=tmp_path / "ours"), torch.device("cpu"), torch.float32
+    )
+    prompts = [tiny_ids(70, seed=3), tiny_ids(6, seed=4), tiny_ids(30, seed=5)]
+    batch = [tokens.tolist() for tokens, _ in generate_batch(ours, prompts, 12, default_cache_kwargs())]
+    assert batch == [hf_greedy(hf, p, 12) for p in prompts]
+
+
 # ---------------------------------------------------------------- the converter itself
 
 
