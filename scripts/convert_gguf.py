@@ -41,6 +41,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 # sliding ones, and RoPE base 10,000 on the sliding layers.
 GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62
 # How each GGUF pre-tokenizer splits text before byte-level BPE (as in llama.cpp).
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -126,7 +127,8 @@ def read_config(reader) -> ModelArgs:
             post_norms=True,
             hidden_act="gelu_tanh",
             scale_embeddings=True,
-            query_pre_attn_scalar=float(head_dim),  # llama.cpp's scale for every size but 27B
+            # llama.cpp's query scale: 1/sqrt(head_dim), but 1/sqrt(width / heads) for the 27B model (62 layers)
+            query_pre_attn_scalar=float(dim // n_head if n_layer == GEMMA3_27B_LAYERS else head_dim),
             layer_types=kinds if window else [],
             sliding_window=window or 0,
             rope_local_base=GEMMA3_LOCAL_ROPE_BASE if window else 0.0,
