@@ -71,12 +71,23 @@ def sliding_window_mask(query_pos: Tensor, key_pos: Tensor, window: int | None) 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
     """Causal attention of a prompt's queries [B, H_q, T, D] over its keys and values [B, H_kv, T, D]
-    (grouped heads); with a `window` a query sees only the `window` most recent keys, itself included."""
-    if window is None or q.shape[2] <= window:
+    (grouped heads); with a `window` a query sees only the `window` most recent keys, itself included.
+    A windowed prompt goes by blocks of `window` queries, each over the keys it can see (at most
+    2 x window), so memory grows with the prompt, not its square."""
+    seqlen = q.shape[2]
+    if window is None or seqlen <= window:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    pos = torch.arange(q.shape[2], device=q.device)
-    mask = sliding_window_mask(pos, pos, window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    pos = torch.arange(seqlen, device=q.device)
+    blocks = []
+    for start in range(0, seqlen, window):
+        end, first = min(start + window, seqlen), max(0, start - window + 1)
+        mask = sliding_window_mask(pos[start:end], pos[first:end], window)
+        blocks.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start:end], k[:, :, first:end], v[:, :, first:end], attn_mask=mask, enable_gqa=True
+            )
+        )
+    return torch.cat(blocks, dim=2)
 
 
 # -- attention over cache slots ----------------------------------------------------------------

@@ -233,3 +233,16 @@ def test_unknown_attention_kind_is_one_line(tmp_path):
         convert_main(["--checkpoint_dir", str(tmp_path)])
     message = str(exc.value.code)
     assert "\n" not in message and "attention kind 'chunked_attention' is not supported" in message
+
+
+@pytest.mark.parametrize(("length", "window"), [(70, 16), (64, 16), (17, 16), (16, 16), (9, 1)])
+def test_windowed_prompt_attention_by_blocks_equals_one_masked_pass(length, window):
+    from attention import causal_attention, sliding_window_mask
+
+    g = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(1, n, length, 8, generator=g) for n in (4, 2, 2))
+    pos = torch.arange(length)
+    mask = sliding_window_mask(pos, pos, window)
+    assert mask.sum(-1).max() == min(window, length) and mask.diagonal().all()
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(causal_attention(q, k, v, window), whole, atol=1e-6)
