@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from convert_gguf import GEMMA3_PARTS, main, read_config
-from test_parity import hf_greedy, hf_logits, our_greedy, our_logits
+from test_parity import hf_greedy, hf_logits, our_logits
 from test_tokenizer import TEXTS
 
+from cache_args import default_cache_kwargs
+from generation import generate as our_generate
 from generation import load_model
 from model import ModelArgs, hf_config_to_args
 from tokenizer import get_tokenizer
@@ -103,18 +105,25 @@ def test_gemma3_logits_match_transformers(our_gemma3, hf_gemma3, prompts):
     assert diff < 1e-3, f"max abs logit difference {diff:.2e}"
 
 
+@pytest.fixture(scope="module")
+def hf_continuations(hf_gemma3, prompts) -> dict:
+    """transformers' greedy continuation of each prompt, computed once."""
+    return {name: hf_greedy(hf_gemma3, ids, NEW_TOKENS) for name, ids in prompts.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("prompt", ["short", "long"])
-def test_gemma3_greedy_matches_transformers(our_gemma3, hf_gemma3, prompts, prompt):
+@pytest.mark.parametrize(("prompt", "chunk_size"), [("short", None), ("long", None), ("long", 600)])
+def test_gemma3_greedy_matches_transformers(our_gemma3, hf_continuations, prompts, prompt, chunk_size):
+    """One-pass prefill, and prefill in chunks longer than the window, each through the caches."""
     ids = prompts[prompt]
-    ours = our_greedy(our_gemma3, ids, NEW_TOKENS)
+    kwargs = default_cache_kwargs(prefill_chunk_size=chunk_size)
+    ours, _ = our_generate(our_gemma3, ids, NEW_TOKENS, kwargs, terminator_ids=())
     if prompt == "long":  # the sliding layers held their window, the global ones all but the last token
         caches = [layer.attention.kv_cache for layer in our_gemma3.layers]
         held = [int((c.pos >= 0).sum(-1).max()) for c in caches]
-        assert held == [
-            WINDOW if kind == "sliding" else ids.numel() + NEW_TOKENS - 1 for kind in our_gemma3.config.layer_types
-        ]
-    assert ours == hf_greedy(hf_gemma3, ids, NEW_TOKENS)
+        full = ids.numel() + NEW_TOKENS - 1
+        assert held == [WINDOW if kind == "sliding" else full for kind in our_gemma3.config.layer_types]
+    assert ours.tolist() == hf_continuations[prompt]
 
 
 @pytest.fixture(scope="module")
