@@ -74,9 +74,14 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None)
     (grouped heads); with a `window` a query sees only the `window` most recent keys, itself included.
     A windowed prompt goes by blocks of `window` queries, each over the keys it can see (at most
     2 x window), so memory grows with the prompt, not its square."""
-    seqlen = q.shape[2]
-    if window is None or seqlen <= window:
+    if window is None or q.shape[2] <= window:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return windowed_attention_by_blocks(q, k, v, window)
+
+
+@torch.compiler.disable  # a Python loop over the prompt's blocks: compiling it would unroll every block
+def windowed_attention_by_blocks(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    seqlen = q.shape[2]
     pos = torch.arange(seqlen, device=q.device)
     blocks = []
     for start in range(0, seqlen, window):
