@@ -294,8 +294,8 @@ def prefill_through(
     to come; returns the last logits."""
     device = model.output.weight.device
     passes, fed = prefill_passes(ids.numel(), caches, chunk_size, start, reserve)
-    for cache in caches:
-        cache.reserved_slots = reserve
+    for cache in caches:  # a sliding layer's window cache keeps no room: later tokens push the oldest out
+        cache.reserved_slots = reserve if cache.window is None else 0
     for begin, end in passes:
         positions = torch.arange(begin, end, device=device)
         logits = steps["prefill"](model, ids[begin - start : end - start].view(1, -1), positions, begin > 0)

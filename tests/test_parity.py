@@ -279,6 +279,22 @@ def test_tiny_sliding_window_batch_matches_transformers(tmp_path):
     assert batch == [hf_greedy(hf, p, 12) for p in prompts]
 
 
+@pytest.mark.parametrize("context_length", [40, 60])
+def test_tiny_sliding_window_context_only_matches_transformers(context_length, tmp_path):
+    """A context compressed before its question is seen (--context_only): the sliding layers keep no
+    room for the question, whose tokens push the oldest of the window out."""
+    model_cls, config = TINY_MODELS["gemma3"]
+    hf = randomize(model_cls(config))
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(
+        convert_hf_checkpoint(tmp_path / "hf", out_dir=tmp_path / "ours"), torch.device("cpu"), torch.float32
+    )
+    ids = tiny_ids(70, seed=3)
+    kwargs = default_cache_kwargs(context_only=True)
+    tokens, _ = our_generate(ours, ids, 12, kwargs, terminator_ids=(), context_length=context_length)
+    assert tokens.tolist() == hf_greedy(hf, ids, 12)
+
+
 # ---------------------------------------------------------------- the converter itself
 
 
