@@ -8,6 +8,7 @@ of the GGUF and HF config readers (fast).
   texts, prompts/*.txt, a needle haystack, unicode, digits, Gemma's special and user-defined tokens.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -255,3 +256,107 @@ def test_windowed_prompt_attention_by_blocks_equals_one_masked_pass(length, wind
     assert mask.sum(-1).max() == min(window, length) and mask.diagonal().all()
     whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert torch.allclose(causal_attention(q, k, v, window), whole, atol=1e-6)
+
+
+# ---------------------------------------------------------------- a tiny Gemma 3 GGUF (fast)
+
+
+def write_tiny_gemma3_gguf(hf, path: Path) -> None:
+    """The tiny HF Gemma 3 as llama.cpp writes one: norm weights stored as 1 + w, Q/K rows as they
+    are, the window and SentencePiece tokens in the metadata (what llama.cpp fixes in code, the
+    layer pattern and the sliding layers' RoPE base, must match it)."""
+    from gguf import GGUFWriter
+
+    config = hf.config
+    writer = GGUFWriter(str(path), "gemma3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_sliding_window(config.sliding_window)
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "▁", "t", "x", "  ", "▁t", "tx", "▁tx"]
+    tokens = pieces + [f"<unused{i}>" for i in range(len(pieces), config.vocab_size)]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([3] * 4 + [1] * (len(tokens) - 4))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, weight in hf.state_dict().items():
+        weight = weight.float().numpy()
+        if name == "lm_head.weight":
+            continue  # tied
+        if name.endswith("norm.weight"):
+            weight = weight + 1.0
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{names[rest.removesuffix('.weight')]}.weight"
+        writer.add_tensor(gguf_name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tiny_gemma3_gguf_converts_to_the_hf_model(tmp_path):
+    from convert_gguf import convert_gguf
+    from test_parity import randomize, tiny_ids
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,  # llama.cpp's pattern: five sliding layers, then a global one
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=16,
+        max_position_embeddings=512,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
+    hf = randomize(Gemma3ForCausalLM(config))
+    write_tiny_gemma3_gguf(hf, tmp_path / "tiny.gguf")
+    convert_gguf(tmp_path / "tiny.gguf", tmp_path / "ours")
+    ours = load_model(tmp_path / "ours", torch.device("cpu"), torch.float32)
+    expected = ModelArgs(**hf_config_to_args(config.to_dict()))
+    assert ours.config == dataclasses.replace(expected, norm_eps=ours.config.norm_eps)  # stored as float32
+    ids = tiny_ids(60, seed=5)
+    diff = (our_logits(ours, ids) - hf_logits(hf, ids)).abs().max().item()
+    assert diff < 1e-3, f"max abs logit difference {diff:.2e}"
+    tokenizer = get_tokenizer(tmp_path / "ours")
+    # merges in file order: "▁t" before "tx", then "▁tx" of "▁t" + "x"; two spaces (stored as such) first
+    assert tokenizer.encode("tx tx<eos>") == [2, 9, 10, 1]
+    assert tokenizer.encode("t  t", bos=False) == [5, 7, 5] and tokenizer.decode([5, 7, 5]) == "t  t"
