@@ -33,9 +33,13 @@ def apply_rope_scaling(freqs: Tensor, rope_scaling: dict) -> Tensor:
 
 
 def rope_frequencies(n_elem: int, base: float, rope_scaling: dict | None = None) -> Tensor:
-    """The rotary angle per position of each of the n_elem / 2 pairs, float64."""
+    """The rotary angle per position of each of the n_elem / 2 pairs, float64; scaled by Llama 3.1's
+    rule, or linearly (positions divided by `factor`: Gemma 3's global layers)."""
     freqs = 1.0 / (base ** (torch.arange(0, n_elem, 2, dtype=torch.float64)[: n_elem // 2] / n_elem))
-    if rope_scaling and rope_scaling.get("rope_type", "llama3") == "llama3":
+    rope_type = (rope_scaling or {}).get("rope_type", "llama3")
+    if rope_scaling and rope_type == "linear":
+        freqs = freqs / rope_scaling["factor"]
+    elif rope_scaling and rope_type == "llama3":
         freqs = apply_rope_scaling(freqs, rope_scaling)
     return freqs
 
@@ -54,6 +58,41 @@ def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+# -- causal attention, global or within a sliding window ------------------------------------------
+def sliding_window_mask(query_pos: Tensor, key_pos: Tensor, window: int | None) -> Tensor:
+    """Which keys each query sees [..., T, S]: those at or before its position (query_pos [..., T],
+    key_pos [..., S]), and with a `window` only those less than `window` positions back."""
+    distance = query_pos.unsqueeze(-1) - key_pos.unsqueeze(-2)
+    visible = distance >= 0
+    return visible if window is None else visible & (distance < window)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+    """Causal attention of a prompt's queries [B, H_q, T, D] over its keys and values [B, H_kv, T, D]
+    (grouped heads); with a `window` a query sees only the `window` most recent keys, itself included.
+    A windowed prompt goes by blocks of `window` queries, each over the keys it can see (at most
+    2 x window), so memory grows with the prompt, not its square."""
+    if window is None or q.shape[2] <= window:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return windowed_attention_by_blocks(q, k, v, window)
+
+
+@torch.compiler.disable  # a Python loop over the prompt's blocks: compiling it would unroll every block
+def windowed_attention_by_blocks(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    seqlen = q.shape[2]
+    pos = torch.arange(seqlen, device=q.device)
+    blocks = []
+    for start in range(0, seqlen, window):
+        end, first = min(start + window, seqlen), max(0, start - window + 1)
+        mask = sliding_window_mask(pos[start:end], pos[first:end], window)
+        blocks.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start:end], k[:, :, first:end], v[:, :, first:end], attn_mask=mask, enable_gqa=True
+            )
+        )
+    return torch.cat(blocks, dim=2)
 
 
 # -- attention over cache slots ----------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from attention import attention_probs, rope_frequencies
+from attention import attention_probs, causal_attention, rope_frequencies, sliding_window_mask
 from quantization_utils import SUPPORTED_BITS, QuantizedTensor, dequantize, packed_dim, quantize
 
 PATTERNS = ("tile", "repeat", "pyramid", "funnel")
@@ -101,6 +101,9 @@ class KVCache(nn.Module):
     params: tuple[Param, ...] = ()  # its own hyper-parameters
     # Buffers other than the per-slot ones that hold one value per sequence, by the dim that indexes it.
     row_state: dict[str, int] = {"recent_window": 0}
+    # A sliding-window layer's cache: its queries see only keys less than `window` positions back
+    # (create_caches sets it; None: global attention).
+    window: int | None = None
     shared_kwargs = ("max_cache_length", "global_tokens", "recent_window", "cache_bits")  # the shared ones it reads
 
     @classmethod
@@ -230,7 +233,7 @@ class KVCache(nn.Module):
     def attend_prompt(self, input_pos: Tensor, query: Tensor, k: Tensor, v: Tensor, token_ids=None) -> Tensor:
         """The prompt's causal attention output [B, H, T, D]; fills the cache on the way."""
         self.update_kv(input_pos, k, v, is_prefill=True, query=query, token_ids=token_ids)
-        return F.scaled_dot_product_attention(query, k, v, is_causal=True, enable_gqa=True)
+        return causal_attention(query, k, v, self.window)
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, query: Tensor) -> None:
         """Fills the cache from the prompt: the tokens its compressor keeps, with their state."""
@@ -296,7 +299,7 @@ class KVCache(nn.Module):
         up to their own position; records the probabilities where the strategy wants them (not
         while peeking)."""
         group = q.shape[2] // k.shape[2]
-        visible = self.held().unsqueeze(-2) & (self.pos.unsqueeze(-2) <= input_pos.view(-1, 1))  # [B, H, N, S]
+        visible = self.held().unsqueeze(-2) & sliding_window_mask(input_pos, self.pos, self.window)  # [B, H, N, S]
         mask = visible.repeat(1, 1, group, 1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         if self.return_attn() and not self.peeking:
@@ -449,10 +452,12 @@ class KVCache(nn.Module):
         )
 
     def compute_statistics(self, seq_len: int) -> dict:
-        """Compression ratio over the n = seq_len tokens that passed through, and bytes."""
+        """Compression ratio against the model's own full cache (the n = seq_len tokens that passed
+        through; a sliding layer's: at most its window), and bytes."""
         held = (self.pos >= 0).sum(-1).float().mean().item()
         kept = held * self.cache_bits / 16 if self.cache_bits is not None else held
-        stats = {"compression_ratio": (seq_len - kept) / seq_len, "cache_memory_bytes": state_bytes(self)}
+        full = seq_len if self.window is None else min(seq_len, self.window)
+        stats = {"compression_ratio": (full - kept) / full, "cache_memory_bytes": state_bytes(self)}
         if self.head_budgets == "adaptive":  # allocated slots may outnumber kept ones
             stats["kept_memory_bytes"] = round(state_bytes(self) * held / self.max_cache_length)
         return stats
@@ -550,4 +555,9 @@ def cache_statistics(caches: list[KVCache], seq_len: int) -> dict:
         else:
             stats[key] = sum(values) / len(values)
         stats[f"{key}_per_layer"] = values
+    if any(c.window is not None for c in caches):  # a model with sliding layers: each kind's own ratio
+        kinds = {"global": [], "sliding": []}
+        for cache, s in zip(caches, per_layer):
+            kinds["global" if cache.window is None else "sliding"].append(s["compression_ratio"])
+        stats["compression_ratio_by_kind"] = {k: sum(v) / len(v) for k, v in kinds.items() if v}
     return stats

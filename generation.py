@@ -15,7 +15,10 @@ from model import ModelArgs, Transformer
 from strategies import create_caches
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct"
-PREPARE_HINT = {"SmolLM2-135M-Instruct": "bash scripts/prepare_smollm2.sh (or: make demo)"}
+PREPARE_HINT = {
+    "SmolLM2-135M-Instruct": "bash scripts/prepare_smollm2.sh (or: make demo)",
+    "gemma-3-270m": "bash scripts/prepare_gemma3.sh (or: make gemma3)",
+}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BACKENDS = ("auto", "none")  # auto: the CPU back-end's kernels on CPU; none: the plain model everywhere
 
@@ -126,6 +129,7 @@ def setup_caches(
         device,
         dtype,
         batch_size,
+        windows=[layer.attention.window for layer in model.layers],
     )
     model.setup_caches(caches, prompt_length + max_new_tokens)
     return caches
@@ -290,8 +294,8 @@ def prefill_through(
     to come; returns the last logits."""
     device = model.output.weight.device
     passes, fed = prefill_passes(ids.numel(), caches, chunk_size, start, reserve)
-    for cache in caches:
-        cache.reserved_slots = reserve
+    for cache in caches:  # a sliding layer's window cache keeps no room: later tokens push the oldest out
+        cache.reserved_slots = reserve if cache.window is None else 0
     for begin, end in passes:
         positions = torch.arange(begin, end, device=device)
         logits = steps["prefill"](model, ids[begin - start : end - start].view(1, -1), positions, begin > 0)

@@ -1,6 +1,14 @@
-"""The Llama-style Transformer (gpt-fast style) and the attention layer that talks to its KV cache."""
+"""The Transformer (gpt-fast style) and the attention layer that talks to its KV cache.
 
+Llama-style by default; the checkpoint's config switches on what other families add: QK-norm
+(Qwen3, Gemma 3), Gemma's (1 + weight) norms around attention and the feed-forward, a GELU-tanh
+feed-forward, scaled embeddings, a query scale, and per-layer attention kinds (global, or a sliding
+window with its own RoPE base: Gemma 3, Mistral).
+"""
+
+import copy
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -13,11 +21,15 @@ from attention import (
     apply_rotary_emb,
     attention_probs,
     attention_with_probs,
+    causal_attention,
     precompute_freqs_cis,
     rope_frequencies,
     slot_attention,
 )
 from quantization_utils import QuantizedTensor, order_free_dtype
+
+LAYER_KINDS = ("global", "sliding")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass
@@ -35,12 +47,45 @@ class ModelArgs:
     rope_scaling: dict = field(default_factory=dict)
     attention_bias: bool = False
     tie_embeddings: bool = False
+    # Other families; the defaults are Llama's.
+    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (Qwen3, Gemma 3)
+    norm_unit_offset: bool = False  # every RMSNorm scales by (1 + weight) (Gemma)
+    post_norms: bool = False  # norms after attention and after the feed-forward too (Gemma 3)
+    hidden_act: str = "silu"  # the gated feed-forward's activation: silu or gelu_tanh
+    scale_embeddings: bool = False  # embeddings times sqrt(dim), rounded to the model's dtype (Gemma)
+    query_pre_attn_scalar: float = 0.0  # scores scaled by 1 / sqrt(this) (0: head_dim)
+    layer_types: list = field(default_factory=list)  # "global" or "sliding" per layer; empty: all global
+    sliding_window: int = 0  # a sliding layer's query sees the keys less than this many positions back
+    rope_local_base: float = 0.0  # RoPE base of the sliding layers (0: rope_base)
+    rope_local_scaling: dict = field(default_factory=dict)  # and their RoPE scaling
 
     def __post_init__(self):
         if self.n_local_heads == -1:
             self.n_local_heads = self.n_head
         if self.head_dim == -1:
             self.head_dim = self.dim // self.n_head
+        unknown = sorted(set(self.layer_types) - set(LAYER_KINDS))
+        if unknown:
+            raise ValueError(
+                f"attention kind '{unknown[0]}' is not supported; give each layer one of: {', '.join(LAYER_KINDS)}"
+            )
+        if self.layer_types and len(self.layer_types) != self.n_layer:
+            raise ValueError(f"{len(self.layer_types)} layer_types for {self.n_layer} layers; give one per layer")
+        if "sliding" in self.layer_types and self.sliding_window < 1:
+            raise ValueError("sliding layers need a sliding_window of at least 1 token")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act '{self.hidden_act}' is not supported; choose from: {', '.join(ACTIVATIONS)}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer; None for a global one."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding"
+        return self.sliding_window if sliding else None
+
+    def rope(self, window: int | None) -> tuple[float, dict]:
+        """(RoPE base, scaling) of a global layer (window None) or a sliding one."""
+        if window is None:
+            return self.rope_base, self.rope_scaling
+        return self.rope_local_base or self.rope_base, self.rope_local_scaling
 
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
@@ -75,33 +120,97 @@ class ModelArgs:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
+HF_LAYER_KINDS = {"full_attention": "global", "sliding_attention": "sliding"}
+GEMMA3_TYPES = ("gemma3_text", "gemma3")
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def hf_rope(params: dict, default_base: float) -> tuple[float, dict]:
+    """(base, our rope_scaling) of an HF rope_scaling / rope_parameters dict: default, llama3 or linear."""
+    params = dict(params or {})
+    base = params.pop("rope_theta", default_base)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"RoPE scaling '{rope_type}' is not supported (only llama3 and linear)")
+    if rope_type == "linear" and params.get("factor", 1.0) == 1.0:
+        rope_type = "default"
+    return base, ({**params, "rope_type": rope_type} if rope_type != "default" else {})
+
+
 def hf_config_to_args(config: dict) -> dict:
-    """Maps an HF Llama/Qwen2 config.json onto ModelArgs fields."""
+    """Maps an HF config.json (Llama, Qwen2, Qwen3, Mistral, Gemma 3) onto ModelArgs fields."""
+    model_type = config.get("model_type")
+    if model_type == "gemma3" and "text_config" in config:  # the multimodal config: its text model
+        config = {"model_type": "gemma3_text", **config["text_config"]}
+        model_type = "gemma3_text"
+    gemma = model_type in GEMMA3_TYPES
     n_head = config["num_attention_heads"]
-    rope_scaling = config.get("rope_scaling") or {}
-    rope_base = config.get("rope_theta", 10000.0)
-    if "rope_parameters" in config:  # transformers >= 5 folds theta and scaling together
-        params = dict(config["rope_parameters"])
-        rope_base = params.pop("rope_theta", rope_base)
-        rope_scaling = params
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"RoPE scaling '{rope_type}' is not supported (only llama3)")
-    rope_scaling = {**rope_scaling, "rope_type": "llama3"} if rope_type == "llama3" else {}
+    n_layer = config["num_hidden_layers"]
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key):
+            raise ValueError(f"{key} {config[key]} is not supported; only models without logit soft-capping")
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if activation not in HF_ACTIVATIONS:
+        raise ValueError(f"hidden activation '{activation}' is not supported; supported: {', '.join(HF_ACTIVATIONS)}")
+
+    # RoPE: transformers >= 5 folds theta and scaling into rope_parameters, per layer kind for Gemma 3.
+    default_base = 1_000_000.0 if gemma else 10000.0
+    params = config.get("rope_parameters")
+    if params is None:
+        params = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta", default_base)}
+    if "full_attention" in params or "sliding_attention" in params:
+        global_params, local_params = params.get("full_attention"), params.get("sliding_attention")
+    else:
+        global_params, local_params = params, None
+    if gemma and local_params is None:
+        local_params = {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
+    rope_base, rope_scaling = hf_rope(global_params, default_base)
+    rope_local_base, rope_local_scaling = hf_rope(local_params, rope_base) if local_params else (0.0, rope_scaling)
+
+    # Attention kind per layer.
+    window = config.get("sliding_window") or 0
+    kinds = config.get("layer_types")
+    if kinds is None and gemma:
+        pattern = config.get("sliding_window_pattern", 6)
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
+    elif kinds is None and model_type == "mistral" and window:
+        kinds = ["sliding_attention"] * n_layer
+    elif kinds is None and config.get("use_sliding_window") and window:  # Qwen2/Qwen3 from max_window_layers on
+        first = config.get("max_window_layers", n_layer)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
+    if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        kinds = None  # their configs name a window they do not use
+    unknown = sorted(set(kinds or []) - set(HF_LAYER_KINDS))
+    if unknown:
+        raise ValueError(f"attention kind '{unknown[0]}' is not supported; supported: {', '.join(HF_LAYER_KINDS)}")
+    layer_types = [HF_LAYER_KINDS[k] for k in kinds or []]
+    if "sliding" not in layer_types:
+        layer_types, window, rope_local_base, rope_local_scaling = [], 0, 0.0, {}
+
     return dict(
         block_size=config.get("max_position_embeddings", 2048),
         vocab_size=config["vocab_size"],
-        n_layer=config["num_hidden_layers"],
+        n_layer=n_layer,
         n_head=n_head,
         dim=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
         n_local_heads=config.get("num_key_value_heads", n_head),
         head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
         rope_base=rope_base,
-        norm_eps=config.get("rms_norm_eps", 1e-5),
+        norm_eps=config.get("rms_norm_eps", 1e-6 if gemma else 1e-5),
         rope_scaling=rope_scaling,
-        attention_bias=config.get("attention_bias", config.get("model_type") == "qwen2"),
-        tie_embeddings=config.get("tie_word_embeddings", False),
+        attention_bias=config.get("attention_bias", model_type == "qwen2"),
+        tie_embeddings=config.get("tie_word_embeddings", gemma),
+        qk_norm=gemma or model_type == "qwen3",
+        norm_unit_offset=gemma,
+        post_norms=gemma,
+        hidden_act=HF_ACTIVATIONS[activation],
+        scale_embeddings=gemma,
+        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)) if gemma else 0.0,
+        layer_types=layer_types,
+        sliding_window=window,
+        rope_local_base=rope_local_base,
+        rope_local_scaling=rope_local_scaling,
     )
 
 
@@ -193,26 +302,32 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.freqs_cis: Tensor | None = None
+        self.freqs_cis: Tensor | None = None  # the global layers' RoPE table
+        self.sliding_freqs_cis: Tensor | None = None  # the sliding layers', where their RoPE differs
 
     def setup_caches(self, caches: list[nn.Module], max_seq_length: int) -> None:
-        """Installs one KV cache per layer (built by cache.create_caches) and the RoPE table."""
+        """Installs one KV cache per layer (built by cache.create_caches) and the RoPE tables."""
         if len(caches) != len(self.layers):
             raise ValueError(f"got {len(caches)} caches for {len(self.layers)} layers")
         device = self.output.weight.device
-        frequencies = rope_frequencies(self.config.head_dim, self.config.rope_base, self.config.rope_scaling)
+        config = self.config
         for layer, cache in zip(self.layers, caches):
             layer.attention.kv_cache = cache
             if cache is not None:
+                frequencies = rope_frequencies(config.head_dim, *config.rope(layer.attention.window))
                 cache.set_rope_frequencies(frequencies.float().to(device))
-        self.freqs_cis = precompute_freqs_cis(
-            max_seq_length, self.config.head_dim, self.config.rope_base, self.config.rope_scaling
-        ).to(device)
+        self.freqs_cis = precompute_freqs_cis(max_seq_length, config.head_dim, *config.rope(None)).to(device)
+        sliding = [w for w in map(config.layer_window, range(config.n_layer)) if w is not None]
+        self.sliding_freqs_cis = None
+        if sliding and config.rope(sliding[0]) != config.rope(None):
+            self.sliding_freqs_cis = precompute_freqs_cis(max_seq_length, config.head_dim, *config.rope(sliding[0])).to(
+                device
+            )
 
     def forward(
         self, idx: Tensor, input_pos: Tensor, is_prefill: bool = False, last_only: bool = False, extends: bool = False
@@ -225,9 +340,13 @@ class Transformer(nn.Module):
         (a later chunk of the prompt) instead of starting them.
         """
         freqs_cis = self.freqs_cis[input_pos]
+        sliding_freqs_cis = freqs_cis if self.sliding_freqs_cis is None else self.sliding_freqs_cis[input_pos]
         x = self.tok_embeddings(idx)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(math.sqrt(self.config.dim), dtype=x.dtype)
         for layer in self.layers:
-            x = layer(x, input_pos, freqs_cis, is_prefill, idx, extends)
+            rope = freqs_cis if layer.attention.window is None else sliding_freqs_cis
+            x = layer(x, input_pos, rope, is_prefill, idx, extends)
         if last_only:
             x = x[:, -1:]
         return self.output(self.norm(x)).float()
@@ -238,12 +357,16 @@ class Transformer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelArgs) -> None:
+    def __init__(self, config: ModelArgs, layer: int = 0) -> None:
         super().__init__()
-        self.attention = Attention(config)
+        self.attention = Attention(config, layer)
         self.feed_forward = FeedForward(config)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset)
+        # Gemma normalizes the outputs of attention and the feed-forward too, before the residual sum.
+        post_norm = RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset) if config.post_norms else None
+        self.post_attention_norm = post_norm
+        self.post_ffn_norm = copy.deepcopy(post_norm)
 
     def forward(
         self,
@@ -254,19 +377,34 @@ class TransformerBlock(nn.Module):
         token_ids: Tensor,
         extends: bool = False,
     ) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, input_pos, is_prefill, token_ids, extends)
-        return h + self.feed_forward(self.ffn_norm(h))
+        y = self.attention(self.attention_norm(x), freqs_cis, input_pos, is_prefill, token_ids, extends)
+        if self.post_attention_norm is not None:
+            y = self.post_attention_norm(y)
+        h = x + y
+        y = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            y = self.post_ffn_norm(y)
+        return h + y
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelArgs) -> None:
+    def __init__(self, config: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.n_head = config.n_head
         self.n_local_heads = config.n_local_heads
         self.head_dim = config.head_dim
+        self.window = config.layer_window(layer)  # None: global attention
         total_head_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
         self.wqkv = nn.Linear(config.dim, total_head_dim, bias=config.attention_bias)
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_unit_offset)
+        # Attention scales scores by 1 / sqrt(head_dim); a model that wants 1 / sqrt(s) has its
+        # queries scaled by sqrt(head_dim / s) first, so the caches and strategies need not know.
+        scalar = config.query_pre_attn_scalar
+        self.query_scale = math.sqrt(config.head_dim / scalar) if scalar and scalar != config.head_dim else None
         self.kv_cache: nn.Module | None = None
 
     def forward(
@@ -283,9 +421,15 @@ class Attention(nn.Module):
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
         qk, v = self.wqkv(x).split([q_size + kv_size, kv_size], dim=-1)
+        qk = qk.view(bsz, seqlen, self.n_head + self.n_local_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.n_head, self.n_local_heads], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         # One rotation for the query and key heads together: half the ops of an eager decode step's RoPE.
-        qk = apply_rotary_emb(qk.view(bsz, seqlen, self.n_head + self.n_local_heads, self.head_dim), freqs_cis)
+        qk = apply_rotary_emb(qk, freqs_cis)
         q, k = qk.transpose(1, 2).split([self.n_head, self.n_local_heads], dim=1)
+        if self.query_scale is not None:
+            q = q * self.query_scale
         v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim).transpose(1, 2)
         if is_prefill and extends:
             y = self.kv_cache.attend_chunk(input_pos, q, k, v, token_ids)
@@ -296,9 +440,10 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, q_size))
 
     def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, token_ids: Tensor) -> Tensor:
-        """Full causal attention over the prompt; the cache then takes what its compressor keeps."""
+        """Causal attention over the prompt (within the window on a sliding layer); the cache then
+        takes what its compressor keeps."""
         if self.kv_cache is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return causal_attention(q, k, v, self.window)
         return self.kv_cache.attend_prompt(input_pos, q, k, v, token_ids)
 
     def decode_attention(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, token_ids: Tensor) -> Tensor:
@@ -334,16 +479,23 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)
         self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        self.hidden_act = config.hidden_act
+
+    def activation(self, gate: Tensor) -> Tensor:
+        """SiLU (Llama), or GELU with the tanh approximation (Gemma)."""
+        return F.silu(gate) if self.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.activation(self.w1(x)) * self.w3(x))
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, unit_offset: bool = False):
+        """`unit_offset`: Gemma's norm, which scales by (1 + weight) in float32 before the cast back."""
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         """The mean square accumulates in float64 (MPS has none: float32), so that eager's and a fused
@@ -351,4 +503,6 @@ class RMSNorm(nn.Module):
         normalizes as eager's does."""
         xf = x.float()
         scale = torch.rsqrt(xf.to(order_free_dtype(x.device)).pow(2).mean(-1, keepdim=True) + self.eps).float()
+        if self.unit_offset:
+            return (xf * scale * (1.0 + self.weight.float())).type_as(x)
         return (xf * scale).type_as(x) * self.weight

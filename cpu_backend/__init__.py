@@ -187,7 +187,7 @@ class CPUFeedForward(KeepsPackedCopy, FeedForward):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.packed_product(x)
         gate, up = (self.w1(x), self.w3(x)) if gate_up is None else gate_up.chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.activation(gate) * up)
 
 
 class CPUAttention(Attention):

@@ -1,4 +1,4 @@
-"""Converts an HF Llama/Qwen2 checkpoint folder (safetensors or pytorch_model.bin) into ours.
+"""Converts an HF Llama/Qwen2/Qwen3/Mistral/Gemma 3 checkpoint folder (safetensors or pytorch_model.bin) into ours.
 
     python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/Meta-Llama-3.1-8B-Instruct
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model import ModelArgs  # noqa: E402
+from model import ModelArgs, hf_config_to_args  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # HF name (after "model.layers.{i}.") -> ours (after "layers.{i}.")
@@ -28,8 +28,19 @@ LAYER_NAMES = {
     "input_layernorm.weight": "attention_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
 }
+# Gemma 3 names its four norms differently: its post_attention_layernorm follows attention.
+POST_NORM_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
+}
+QK_NORM_NAMES = {
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old .bin checkpoints carry
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 
 class ConversionError(ValueError):
@@ -136,23 +147,21 @@ def read_config(checkpoint_dir: Path, model_name: str | None) -> ModelArgs:
 def check_hf_config(raw: dict, path: Path) -> None:
     """Rejects HF configs whose architecture our Llama-style model cannot represent."""
     model_type = raw.get("model_type")
+    if model_type == "gemma3":
+        raise ConversionError(
+            f"{path}: model_type 'gemma3' is the multimodal Gemma 3; convert a text-only one (gemma3_text, "
+            "e.g. gemma-3-270m or gemma-3-1b)"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConversionError(
             f"{path}: model_type '{model_type}' is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    problems = []
-    if raw.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act '{raw['hidden_act']}' (only silu)")
     if raw.get("mlp_bias"):
-        problems.append("mlp_bias")
-    if raw.get("use_sliding_window") or (model_type == "mistral" and raw.get("sliding_window")):
-        problems.append("sliding-window attention")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        problems.append(f"RoPE scaling '{rope_type}' (only llama3)")
-    if problems:
-        raise ConversionError(f"{path}: unsupported {'; '.join(problems)}")
+        raise ConversionError(f"{path}: unsupported mlp_bias")
+    try:
+        hf_config_to_args(raw)  # activation, RoPE scaling, attention kinds, soft-capping
+    except ValueError as e:
+        raise ConversionError(f"{path}: {e}") from None
 
 
 def convert_state_dict(reader: WeightReader, config: ModelArgs) -> dict[str, torch.Tensor]:
@@ -171,7 +180,9 @@ def convert_state_dict(reader: WeightReader, config: ModelArgs) -> dict[str, tor
         reader.get("lm_head.weight")  # tied: the embedding serves as the output projection
     for i in range(config.n_layer):
         prefix = f"layers.{i}."  # the same in both layouts once HF's "model." is stripped
-        for hf_name, name in LAYER_NAMES.items():
+        names = POST_NORM_NAMES if config.post_norms else {}
+        names = {**LAYER_NAMES, **names, **(QK_NORM_NAMES if config.qk_norm else {})}
+        for hf_name, name in names.items():
             state[prefix + name] = reader.get(prefix + hf_name)
         qkv = [reader.get(f"{prefix}self_attn.{p}_proj.weight") for p in "qkv"]
         state[prefix + "attention.wqkv.weight"] = torch.cat(qkv)
@@ -240,8 +251,8 @@ def convert_hf_checkpoint(checkpoint_dir: Path, model_name: str | None = None, o
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir
     if not checkpoint_dir.is_dir():
         raise ConversionError(f"checkpoint folder {checkpoint_dir} does not exist")
+    config = read_config(checkpoint_dir, model_name)  # a config we cannot run fails before the weights are read
     reader = WeightReader(checkpoint_dir)
-    config = read_config(checkpoint_dir, model_name)
     state = convert_state_dict(reader, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "model.pth.tmp"

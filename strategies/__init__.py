@@ -150,6 +150,22 @@ def new_cache(
     return cache
 
 
+def window_cache(window: int, shape: tuple, seq_len: int, dtype, cache_kwargs: dict) -> KVCache:
+    """A sliding-window layer's cache: its most recent min(window, seq_len) tokens, which is all its
+    queries ever see, so it is exact (recent_global without global tokens). The user's strategy and
+    budget serve the global layers; only the storage (--cache_bits) applies here too."""
+    kwargs = {
+        **cache_kwargs,
+        "global_tokens": 0,
+        "recent_window": 0,
+        "head_budgets": "uniform",
+        "tokenizer_kwargs": None,
+    }
+    cache = new_cache("recent_global", "recent_global", shape, min(window, seq_len), seq_len, dtype, kwargs)
+    cache.window = window
+    return cache
+
+
 def create_caches(
     cache_kwargs: dict,
     n_layer: int,
@@ -160,12 +176,19 @@ def create_caches(
     device,
     dtype: torch.dtype,
     max_batch_size: int = 1,
+    windows: list[int | None] | None = None,
 ) -> list[KVCache]:
-    """One cache per layer, sized and typed by the per-layer patterns."""
+    """One cache per layer, sized and typed by the per-layer patterns; a sliding-window layer (its
+    `windows` entry not None) gets the model's own cache instead, `window_cache`."""
     lengths = layer_cache_lengths(cache_kwargs, n_layer, prompt_length, max_new_tokens)
     seq_len = prompt_length + max_new_tokens
     caches = []
-    for length, (strategy, compressor) in zip(lengths, layer_strategies(cache_kwargs, n_layer)):
+    windows = windows or [None] * n_layer
+    for length, (strategy, compressor), window in zip(lengths, layer_strategies(cache_kwargs, n_layer), windows):
+        if window is not None:
+            cache = window_cache(window, (max_batch_size, n_heads, head_dim), seq_len, dtype, cache_kwargs)
+            caches.append(cache.to(device))
+            continue
         if length <= cache_kwargs["global_tokens"]:
             raise ValueError(f"--global_tokens {cache_kwargs['global_tokens']} exceeds a cache of {length} slots")
         cache = new_cache(

