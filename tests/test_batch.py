@@ -177,9 +177,10 @@ def embedded():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["full", "l2", "heavy_hitter"])
+@pytest.mark.parametrize("name", ["heavy_hitter"])
 def test_embedded_model_batch_decodes_as_alone(name, embedded):
-    """SmolLM2 in float32, greedy, 8 chat prompts of 30 to 430 tokens, 25% budgets."""
+    """SmolLM2 in float32, greedy, 8 chat prompts of 30 to 430 tokens, 25% budgets: at the real
+    model's sizes, for one strategy (the tiny model's batch tests take every one)."""
     model, tokenizer = embedded
     words = (PROMPT_DIR / "long_niah.txt").read_text().split()
     prompts = [
