@@ -163,10 +163,11 @@ class KeepsPackedCopy(nn.Module):
     def packed_product(self, x: Tensor, bias: Tensor | None = None) -> Tensor | None:
         """x times the packed copy for one token; None where the plain weights serve: also in a
         compiled graph that does not freeze the weights (prefill's), which cannot take the copy."""
-        frozen = not torch.compiler.is_compiling() or torch._inductor.config.freezing
-        if x.shape[:-1].numel() == 1 and self.packed_weight is not None and frozen:
-            return one_token_product(x, self.packed_weight, bias)
-        return None
+        if self.packed_weight is None or x.shape[:-1].numel() != 1:
+            return None
+        if torch.compiler.is_compiling() and not torch._inductor.config.freezing:
+            return None
+        return one_token_product(x, self.packed_weight, bias)
 
     def _apply(self, fn, recurse=True):
         self.packed_weight = None  # a move or cast would leave the packed copy behind
