@@ -25,16 +25,21 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def prepared_or_converted(folder: Path, gguf: Path, tmp_path_factory) -> Path:
+    """`folder` where it holds a prepared checkpoint, else a fresh conversion of the GGUF."""
+    if all((folder / name).is_file() for name in ("model.pth", "config.json", "tokenizer.json")):
+        return folder
+    from convert_gguf import convert_gguf
+
+    out = tmp_path_factory.mktemp(folder.name)
+    convert_gguf(gguf, out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def smollm2_checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
     """checkpoints/SmolLM2-135M-Instruct, or a fresh conversion of the GGUF when it is not prepared."""
-    if all((SMOLLM2_DIR / name).is_file() for name in ("model.pth", "config.json", "tokenizer.json")):
-        return SMOLLM2_DIR
-    from convert_gguf import convert_gguf
-
-    out = tmp_path_factory.mktemp("SmolLM2-135M-Instruct")
-    convert_gguf(smollm2_gguf, out)
-    return out
+    return prepared_or_converted(SMOLLM2_DIR, smollm2_gguf, tmp_path_factory)
 
 
 GEMMA3_DIR = ROOT / "checkpoints" / "gemma-3-270m"
@@ -57,13 +62,7 @@ def gemma3_gguf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_checkpoint(gemma3_gguf, tmp_path_factory) -> Path:
     """checkpoints/gemma-3-270m, or a fresh conversion of the GGUF when it is not prepared."""
-    if all((GEMMA3_DIR / name).is_file() for name in ("model.pth", "config.json", "tokenizer.json")):
-        return GEMMA3_DIR
-    from convert_gguf import convert_gguf
-
-    out = tmp_path_factory.mktemp("gemma-3-270m")
-    convert_gguf(gemma3_gguf, out)
-    return out
+    return prepared_or_converted(GEMMA3_DIR, gemma3_gguf, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
