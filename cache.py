@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attention import attention_probs, causal_attention, rope_frequencies, sliding_window_mask
-from quantization_utils import SUPPORTED_BITS, QuantizedTensor, dequantize, packed_dim, quantize
+from quantization_utils import SUPPORTED_BITS, QuantizedTensor, dense, packed_dim, quantize
 
 PATTERNS = ("tile", "repeat", "pyramid", "funnel")
 HEAD_BUDGETS = ("uniform", "adaptive")
@@ -383,13 +383,7 @@ class KVCache(nn.Module):
 
     def dense(self) -> tuple[Tensor, Tensor]:
         """Keys and values as [B, H, L, D] tensors of the cache's dtype, dequantized if low-bit."""
-        if self.cache_bits is None:
-            return self.k_cache, self.v_cache
-        return tuple(
-            dequantize(getattr(self, f"{n}_packed"), getattr(self, f"{n}_scale"), getattr(self, f"{n}_zero"),
-                       self.cache_bits, self.dtype)
-            for n in ("k", "v")
-        )  # fmt: skip
+        return tuple(dense(x) for x in self.read())
 
     def insert_prompt(self, input_pos: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, state: dict) -> None:
         """Writes the kept prompt tokens `keep` (-1: a slot left unallocated; state already for those
